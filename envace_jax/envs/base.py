@@ -1,0 +1,112 @@
+"""The Environment protocol: what an executable tool-use domain offers to rollouts and judges.
+
+An environment is reset to a task, then executes batches of tool calls. Every call gets exactly
+one JSON-serialisable response, in call order. A call the environment cannot execute (unknown
+tool, missing or mistyped arguments, unknown id, wrong state) gets a *tool error response*
+instead of an exception, because calls come from a model and model outputs never crash a
+rollout:
+
+    {"error": {"code": "<code>", "message": "<short text>"}}
+
+Error codes split in two kinds:
+
+* call errors (`CALL_ERROR_CODES`): the call itself is invalid (no such tool, arguments that do
+  not match the schema), an action could not be parsed, or a rehearsed response could not be
+  parsed. Following the reference's checklist semantics, a call error zeroes the current turn
+  and ends the episode.
+* domain errors (any other code, e.g. ``not_found``): the call was well formed but the world
+  refused it. These are ordinary observations an agent can recover from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+# A response to one tool call: a JSON-serialisable dict (a result, or a tool error response).
+ToolResult = dict[str, Any]
+
+UNKNOWN_TOOL = "unknown_tool"  # the name is not one of the task's tools
+BAD_ARGS = "bad_args"  # arguments missing, unexpected, of the wrong type, or not an object
+BAD_CALL = "bad_call"  # the action text could not be parsed into tool calls
+BAD_OBSERVATION = "bad_observation"  # a rehearsed response is not a JSON object
+CALL_ERROR_CODES = frozenset({UNKNOWN_TOOL, BAD_ARGS, BAD_CALL, BAD_OBSERVATION})
+
+
+def tool_error(code: str, message: str) -> ToolResult:
+    """A tool error response in the project's one format."""
+    return {"error": {"code": str(code), "message": str(message)}}
+
+
+def error_code(result: Any) -> str | None:
+    """The error code of a tool error response, or None when `result` is not one."""
+    if isinstance(result, Mapping):
+        err = result.get("error")
+        if isinstance(err, Mapping) and isinstance(err.get("code"), str):
+            return err["code"]
+    return None
+
+
+def is_call_error(result: Any) -> bool:
+    """True for a response that invalidates the call (see the module docstring)."""
+    return error_code(result) in CALL_ERROR_CODES
+
+
+def result_text(result: ToolResult) -> str:
+    """The text of a tool message carrying `result` (compact JSON, keys in insertion order)."""
+    return json.dumps(result, ensure_ascii=False)
+
+
+def parse_result_text(text: str) -> ToolResult:
+    """Parse a tool message back into a response; text that is not a JSON object (an
+    unparseable rehearsal) becomes a ``bad_observation`` call error."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        return tool_error(BAD_OBSERVATION, f"not JSON: {exc}")
+    if not isinstance(value, dict):
+        return tool_error(BAD_OBSERVATION, f"not a JSON object: {type(value).__name__}")
+    return value
+
+
+class CallLike(Protocol):
+    """What `step` reads from a tool call (`envace_jax.text` ToolCall has this shape)."""
+
+    name: str
+    arguments: Any
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """An executable domain. Deterministic given the task and the sequence of calls."""
+
+    def reset(self, task: Any) -> None:
+        """Put the world in the task's initial state (calling it twice gives equal `state()`)."""
+
+    def step(self, calls: Sequence[CallLike]) -> list[ToolResult]:
+        """Execute `calls` in order; one response (or tool error response) per call. Never
+        raises on model-produced calls."""
+
+    def state(self) -> dict[str, Any]:
+        """A JSON-serialisable snapshot of everything the environment holds, including how
+        many calls it has executed (so a test can prove that rehearsal never touched it)."""
+
+    def success(self, final_reply: str) -> bool:
+        """Whether the final state and the final reply meet the task's ground truth."""
+
+
+def observed_values(result: Any) -> list[Any]:
+    """Every string and integer leaf of a response (what a later call may take from it).
+    Booleans and floats are left out: ids and amounts in tool domains are strings and ints."""
+    out: list[Any] = []
+    stack = [result]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Mapping):
+            stack.extend(reversed(list(v.values())))
+        elif isinstance(v, (list, tuple)):
+            stack.extend(reversed(v))
+        elif isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)):
+            out.append(v)
+    return out

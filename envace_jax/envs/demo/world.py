@@ -1,0 +1,94 @@
+"""The demo shop world: customers with one bank account each, and their orders.
+
+A world is a plain JSON-serialisable dict, so it can sit inside a task record and be compared
+for equality:
+
+    {"customers": [{"id": "C3", "name": "Ben", "account": "A7"}, ...],
+     "accounts":  [{"id": "A7", "balance": 120}, ...],
+     "orders":    [{"id": "O203", "customer": "C3", "item": "lamp", "price": 30,
+                    "status": "open"}, ...]}
+
+Order status is one of ``open`` (can be cancelled), ``shipped`` (can be refunded),
+``cancelled`` or ``refunded``. Strings are short (short names, ids like ``C3``/``A7``/``O203``,
+integer amounts) so that a small BPE vocabulary covers them and prompts stay short.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+World = dict[str, Any]
+
+# Groups of look-alike names: a world takes names from a few groups so that a name in an
+# instruction usually has a similar-looking distractor next to it.
+NAME_GROUPS = (
+    ("Ben", "Bea", "Bo"),
+    ("Dan", "Dana", "Dave"),
+    ("Ann", "Ana", "Amy"),
+    ("Max", "Mia", "May"),
+    ("Tom", "Tim", "Tia"),
+    ("Liz", "Lia", "Leo"),
+    ("Sam", "Sal", "Sue"),
+    ("Kim", "Kit", "Kai"),
+    ("Ray", "Rex", "Roy"),
+    ("Eva", "Eve", "Eli"),
+)
+ITEMS = ("lamp", "mug", "pen", "hat", "book", "cup", "bag", "fan", "sock", "clock", "desk", "kite")
+OPEN, SHIPPED, CANCELLED, REFUNDED = "open", "shipped", "cancelled", "refunded"
+STATUSES = (OPEN, SHIPPED, CANCELLED, REFUNDED)
+
+
+def generate_world(rng: random.Random, n_customers: int = 3, max_orders: int = 2) -> World:
+    """A random world: `n_customers` customers (at least one look-alike name pair), each
+    with an account and 1..`max_orders` orders with distinct items."""
+    groups = rng.sample(NAME_GROUPS, 2)
+    names = rng.sample(groups[0], 2) + rng.sample(groups[1], n_customers - 2)
+    rng.shuffle(names)
+    cids = rng.sample(range(1, 100), n_customers)
+    aids = rng.sample(range(1, 100), n_customers)
+    n_orders = [rng.randint(1, max_orders) for _ in range(n_customers)]
+    oids = sorted(rng.sample(range(100, 1000), sum(n_orders)))
+    world: World = {"customers": [], "accounts": [], "orders": []}
+    k = 0
+    for name, cid, aid, n in zip(names, cids, aids, n_orders, strict=True):
+        world["customers"].append({"id": f"C{cid}", "name": name, "account": f"A{aid}"})
+        world["accounts"].append({"id": f"A{aid}", "balance": 5 * rng.randint(4, 40)})
+        for item in rng.sample(ITEMS, n):
+            world["orders"].append(
+                {
+                    "id": f"O{oids[k]}",
+                    "customer": f"C{cid}",
+                    "item": item,
+                    "price": rng.randint(3, 60),
+                    "status": rng.choice((OPEN, OPEN, SHIPPED, SHIPPED, CANCELLED)),
+                }
+            )
+            k += 1
+    rng.shuffle(world["orders"])
+    return world
+
+
+def copy_world(world: World) -> World:
+    return copy.deepcopy(world)
+
+
+def find(world: World, table: str, **match: Any) -> dict[str, Any] | None:
+    """The first row of `table` whose fields equal `match`, or None."""
+    for row in world[table]:
+        if all(row.get(k) == v for k, v in match.items()):
+            return row
+    return None
+
+
+def render_records(world: World) -> str:
+    """The compact table of the world that the system turn carries (both roles read it)."""
+    lines = ["customers (name id account balance):"]
+    for c in world["customers"]:
+        bal = find(world, "accounts", id=c["account"])["balance"]
+        lines.append(f"{c['name']} {c['id']} {c['account']} {bal}")
+    lines.append("orders (id customer item price status):")
+    for o in world["orders"]:
+        lines.append(f"{o['id']} {o['customer']} {o['item']} {o['price']} {o['status']}")
+    return "\n".join(lines)
