@@ -45,10 +45,10 @@ from envace_jax.envs.demo.world import (
 
 SPLITS = ("train", "validation", "test")
 MAX_TASKS_PER_SEED = 1_000_003
+EXTRA_TOOLS = 1  # distractor tools offered next to the ones a task's solution uses
 SYSTEM_PROMPT = (
-    "You serve a shop. Use the tools; take ids from tool results. "
-    "End with a short reply that gives the result. Errors: unknown id not_found, "
-    "wrong order status bad_status, amount over balance no_funds.\n"
+    "Shop assistant. Use the tools; take ids from tool results. Reply briefly with the result. "
+    "Errors: unknown id not_found, wrong status bad_status, over balance no_funds.\n"
 )
 # Raw checklist weights (normalised to sum to 1 per turn): outcome items weigh more.
 W_ACT_CALL, W_LOOKUP_CALL, W_CONSISTENT, W_REPLY, W_REPLY_CONSISTENT = 2.0, 1.0, 1.0, 2.0, 1.0
@@ -315,22 +315,27 @@ def world_seed(seed: int, index: int, split: str) -> int:
     return (seed * MAX_TASKS_PER_SEED + index) * len(SPLITS) + SPLITS.index(split)
 
 
-def generate_tasks(seed: int, n: int, split: str = "train") -> list[Task]:
-    """`n` demo tasks, deterministic in (`seed`, `split`); see the module docstring."""
+def generate_tasks(
+    seed: int, n: int, split: str = "train", extra_tools: int = EXTRA_TOOLS
+) -> list[Task]:
+    """`n` demo tasks, deterministic in (`seed`, `split`, `extra_tools`); see the module
+    docstring. Each task offers the tools its solution uses plus `extra_tools` others."""
     if n < 0 or n > MAX_TASKS_PER_SEED:
         raise ValueError(f"n must be in [0, {MAX_TASKS_PER_SEED}], got {n}")
-    return [make_task(seed, i, split) for i in range(n)]
+    return [make_task(seed, i, split, extra_tools) for i in range(n)]
 
 
-def make_task(seed: int, index: int, split: str) -> Task:
+def make_task(seed: int, index: int, split: str, extra_tools: int = EXTRA_TOOLS) -> Task:
     """Task `index` of (`seed`, `split`): draw a family, then worlds until one fits it, then
     run the solution on a copy of the world to get observations, final state and reply."""
+    if extra_tools < 0:
+        raise ValueError(f"extra_tools must be >= 0, got {extra_tools}")
     ws = world_seed(seed, index, split)
     rng = random.Random(ws)
     n_calls = rng.randint(1, 4)
     family = rng.choice(sorted(FAMILIES[n_calls]))
     for _ in range(1000):
-        world = generate_world(rng, n_customers=rng.choice((3, 4)))
+        world = generate_world(rng, n_customers=3)
         plan = FAMILIES[n_calls][family](rng, world)
         if plan is not None:
             break
@@ -348,6 +353,12 @@ def make_task(seed: int, index: int, split: str) -> Task:
                 raise AssertionError(f"world seed {ws}: {c} {arg} is not in result {j}")
     value = observations[src_call][src_key]
     final_reply = reply_template.format(v=value)
+
+    # Offered tools: the solution's plus distractors, in one fixed order (drawn last, so the
+    # world and the solution do not depend on `extra_tools`).
+    used = {c["name"] for c in solution}
+    others = [name for name in TOOL_SCHEMAS if name not in used]
+    offered = used | set(rng.sample(others, min(extra_tools, len(others))))
 
     task_id = f"demo-{split}-{seed}-{index}"
     messages = [
@@ -373,7 +384,7 @@ def make_task(seed: int, index: int, split: str) -> Task:
         {
             "task_id": task_id,
             "messages": messages,
-            "tools": [TOOL_SCHEMAS[name] for name in TOOL_SCHEMAS],
+            "tools": [TOOL_SCHEMAS[name] for name in TOOL_SCHEMAS if name in offered],
             "reference_messages": reference,
             "checklist": [items],
             "ground_truth": ground_truth,

@@ -49,7 +49,7 @@ def generate_world(rng: random.Random, n_customers: int = 3, max_orders: int = 2
     cids = rng.sample(range(1, 100), n_customers)
     aids = rng.sample(range(1, 100), n_customers)
     n_orders = [rng.randint(1, max_orders) for _ in range(n_customers)]
-    oids = sorted(rng.sample(range(100, 1000), sum(n_orders)))
+    oids = sorted(rng.sample(range(10, 100), sum(n_orders)))
     world: World = {"customers": [], "accounts": [], "orders": []}
     k = 0
     for name, cid, aid, n in zip(names, cids, aids, n_orders, strict=True):
