@@ -37,7 +37,8 @@ class RefShop:
     """Reads customers/accounts/orders from the system turn's records table (not from the
     task's ground truth) and answers calls by the rules the tool descriptions state."""
 
-    def __init__(self, system_text: str):
+    def __init__(self, system_text: str, tools=None):
+        self.tools = None if tools is None else {t["function"]["name"] for t in tools}
         self.customers, self.balance, self.orders = {}, {}, {}
         section = None
         for line in system_text.splitlines():
@@ -55,6 +56,8 @@ class RefShop:
 
     def call(self, name, args):
         err = lambda code: {"error": {"code": code}}  # noqa: E731
+        if self.tools is not None and name not in self.tools:
+            return err("unknown_tool")
         if name == "find_customer":
             hits = [c for c, v in self.customers.items() if v["name"] == args["name"]]
             return (
@@ -206,6 +209,11 @@ def test_family_spread_and_ground_truth_shape(tasks):
         # Every task needs a state change, and its final reply needs an observed value.
         assert any(c["name"] in STATE_CHANGING for c in gt["solution"])
         assert gt["final_state"] != gt["initial_state"]
+        # Offered tools: the solution's plus one distractor, in the fixed order.
+        offered = [t["function"]["name"] for t in task.tools]
+        used = {c["name"] for c in gt["solution"]}
+        assert used <= set(offered) and len(offered) == len(used) + 1
+        assert offered == [n for n in TOOL_NAMES if n in offered]
     print("tasks by number of calls:", counts)
     assert all(c > 0.15 * len(tasks) for c in counts.values())
     # Name-based tasks mostly come with a look-alike name in the world.
@@ -279,7 +287,7 @@ def test_environment_is_deterministic_and_resets(tasks):
         assert r1 == r2 and env1.state() == env2.state()
         assert env1.state()["n_calls"] == 6
         # Reference agreement on arbitrary (often failing) call sequences.
-        ref = RefShop(task.messages[0]["content"])
+        ref = RefShop(task.messages[0]["content"], task.tools)
         assert all(
             _same(r, ref.call(c["name"], c["arguments"])) for r, c in zip(r1, calls, strict=True)
         )
@@ -291,10 +299,10 @@ def _task_with(tasks, pred):
     return next(t for t in tasks if pred(t.ground_truth["initial_state"]))
 
 
-def test_every_error_rule(tasks):
+def test_every_error_rule():
     env = DemoEnv()
     task = _task_with(
-        tasks,
+        generate_tasks(seed=0, n=50, split="train", extra_tools=len(TOOL_NAMES)),
         lambda w: {o["status"] for o in w["orders"]} >= {"open", "shipped"},
     )
     w = task.ground_truth["initial_state"]
