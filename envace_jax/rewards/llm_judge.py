@@ -1,0 +1,463 @@
+"""LLM checklist judge over an OpenAI-compatible `/v1/chat/completions` endpoint.
+
+For every assistant step of the user turn being scored and every checklist item of that turn,
+one request asks whether the conversation up to that step (and the tool responses that follow
+it) satisfies the item. The prompt carries the item (question, focus, pass condition, failure
+examples, reference snippets), the messages before the turn, and the turn's messages up to the
+step; the model answers with a JSON verdict whose `answer` is true or false.
+
+Robustness: a concurrency limit, a per-request deadline, retries with exponential backoff (on
+timeouts, connection errors, HTTP 429/408/5xx and malformed verdicts), and no exceptions for
+any server behaviour: an item without a valid verdict counts as FAILED and the counters in the
+returned metrics say why (`judge_requests`, `judge_retries`, `judge_timeouts`,
+`judge_http_errors`, `judge_malformed`, `judge_failures`).
+
+Where we depart from the reference prompt rendering: an assistant message without a `<think>`
+block is rendered as a user-visible reply (the reference files its whole content under
+thinking, which misjudges models that do not think aloud), and turns are numbered within the
+whole conversation.
+
+The transport is the standard library's urllib run in a thread pool (no HTTP client dependency);
+the event loop side is asyncio, so many turns can be judged concurrently under one limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import re
+import socket
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from envace_jax.data.tasks import ChecklistItem
+
+TOOL_ROLES = ("tool", "observation")
+# Items about tool calls or tool output fail without a request when a tool response of the
+# step reports an error (the reference short-circuits the same way).
+_TOOL_FOCUS = ("assistant.tool_calls", "tool.content")
+
+METRIC_KEYS = (
+    "judge_items",
+    "judge_short_circuit",
+    "judge_requests",
+    "judge_retries",
+    "judge_timeouts",
+    "judge_http_errors",
+    "judge_malformed",
+    "judge_failures",
+)
+
+VERDICT_FIELDS = (
+    "high_level_understanding_of_the_question",
+    "analysis_of_if_focus_on",
+    "analysis_of_pass_condition",
+    "analysis_of_failure_examples",
+)
+VERDICT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        **{k: {"type": "string"} for k in VERDICT_FIELDS},
+        "answer": {"type": "boolean"},
+    },
+    "required": [*VERDICT_FIELDS, "answer"],
+    "additionalProperties": False,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeConfig:
+    """Endpoint and request policy.
+
+    base_url: server root including `/v1` (requests go to `{base_url}/chat/completions`).
+    max_retries: attempts after the first one; backoff_s * 2**i (capped) between attempts.
+    timeout_s: deadline of one attempt, connection to last byte.
+    response_format: send the strict JSON-schema `response_format` (servers without
+      structured output support reject it; the verdict parser copes without it).
+    """
+
+    base_url: str
+    model: str
+    api_key: str | None = None
+    temperature: float = 0.6
+    top_p: float | None = 0.8
+    max_tokens: int = 6000
+    timeout_s: float = 120.0
+    max_retries: int = 4
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    concurrency: int = 64
+    response_format: bool = True
+    retry_malformed: bool = True
+
+    def __post_init__(self):
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"JudgeConfig.base_url: expected an http(s) URL, got {self.base_url!r}"
+            )
+        for key in ("timeout_s", "backoff_s", "max_backoff_s"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"JudgeConfig.{key}: expected >= 0, got {getattr(self, key)}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"JudgeConfig.timeout_s: expected > 0, got {self.timeout_s}")
+        if self.max_retries < 0:
+            raise ValueError(f"JudgeConfig.max_retries: expected >= 0, got {self.max_retries}")
+        if self.concurrency < 1:
+            raise ValueError(f"JudgeConfig.concurrency: expected >= 1, got {self.concurrency}")
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/") + "/chat/completions"
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt
+
+
+_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+
+
+def _split_thinking(msg: Mapping[str, Any]) -> tuple[str, str]:
+    content = msg.get("content") or ""
+    if not isinstance(content, str):
+        content = json.dumps(content, ensure_ascii=False)
+    thinking = msg.get("reasoning_content") or ""
+    m = _THINK.search(content)
+    if m:
+        thinking = thinking or m.group(1).strip()
+        content = content[m.end() :]
+    elif "</think>" in content:  # template-opened think block: only the closing tag is emitted
+        head, content = content.split("</think>", 1)
+        thinking = thinking or head.replace("<think>", "").strip()
+    return thinking.strip() or "None", content.strip() or "None"
+
+
+def render_messages(messages: Sequence[Mapping[str, Any]], first_turn: int = 0) -> str:
+    """Serialise chat messages for the judge: `# Turn: k` per user message, `## Step: s` per
+    assistant message of a turn (thinking, user-visible reply, tool calls as JSON), tool
+    responses, system messages."""
+    out, turn, step = [], first_turn - 1, 0
+    for m in messages:
+        role = m.get("role")
+        content = m.get("content")
+        content = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+        if role == "system":
+            out.append(f"Role: system\ncontent: {content}\n")
+        elif role == "user":
+            turn, step = turn + 1, 0
+            out.append(f"# Turn: {turn}\nRole: user\ncontent: {content}\n")
+        elif role == "assistant":
+            thinking, reply = _split_thinking(m)
+            calls = m.get("tool_calls")
+            calls = json.dumps(calls, ensure_ascii=False) if calls else "None"
+            out.append(
+                f"## Step: {step}\nRole: assistant\ncontent.thinking: {thinking}\n"
+                f"content.user_visible_reply: {reply}\ntool_call: {calls}\n"
+            )
+            step += 1
+        elif role in TOOL_ROLES:
+            out.append(f"Role: tool\ncontent: {content}\n")
+    return "".join(out)
+
+
+def build_prompt(item: ChecklistItem, previous: str, current: str) -> str:
+    """The judge's user message for one item: criteria, context, current turn, output format."""
+    fails = json.dumps(list(item.failure_examples), ensure_ascii=True, indent=2)
+    snippets = json.dumps(list(item.evidence), ensure_ascii=True, indent=2)
+    previous = previous or "None\n"
+    return (
+        "# Role\n"
+        "You are a precise checklist evaluator. You decide whether the messages exchanged "
+        "between the user, the assistant and the tools meet one criterion.\n\n"
+        "# Objective\n"
+        "Give a strict JSON verdict, and nothing else, following the steps below.\n\n"
+        "# Criterion\n"
+        f"**Question:** {item.question}\n"
+        f"**Focus on:** {item.focus_on}\n"
+        f"**Pass condition:** {item.pass_condition}\n"
+        f"**Failure examples:** {fails}\n"
+        f"**Reference snippet:** {snippets}\n\n"
+        "# Previous Messages\n"
+        f"{previous}"
+        "# Current Messages to Evaluate\n"
+        f"{current}\n"
+        "# Rules about tool calls\n"
+        "Tool calls written only inside content.thinking (none under tool_call) are malformed: "
+        "treat every such call as not made. If a tool response reports an error, the tool calls "
+        "of the latest assistant step before it are invalid.\n\n"
+        "# Evaluation steps (one JSON field each)\n"
+        "1. high_level_understanding_of_the_question: restate briefly what is evaluated and "
+        "what meeting it means here.\n"
+        "2. analysis_of_if_focus_on: is the part named by 'Focus on' present in the current "
+        "messages?\n"
+        "3. analysis_of_pass_condition: is the pass condition fully met?\n"
+        "4. analysis_of_failure_examples: for EACH failure example, say 'triggered' or "
+        "'not triggered', with a short reason.\n"
+        "5. answer: true ONLY IF the focus part is present, the pass condition is fully met and "
+        "no failure example is triggered; otherwise false.\n\n"
+        "# Output format\n"
+        "Return ONLY one JSON object with exactly these keys:\n"
+        "{\n"
+        '  "high_level_understanding_of_the_question": str,\n'
+        '  "analysis_of_if_focus_on": str,\n'
+        '  "analysis_of_pass_condition": str,\n'
+        '  "analysis_of_failure_examples": str,\n'
+        '  "answer": bool\n'
+        "}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Verdict parsing
+
+
+_FENCE = re.compile(r"```(?:json|JSON)?\s*(.*?)```", re.DOTALL)
+_ANSWER = re.compile(r"""["']?\banswer\b["']?\s*[:=]\s*["']?(true|false)\b""", re.IGNORECASE)
+
+
+def _answer_of(obj: Any) -> bool | None:
+    if not isinstance(obj, Mapping) or "answer" not in obj:
+        return None
+    a = obj["answer"]
+    if isinstance(a, bool):
+        return a
+    if isinstance(a, str) and a.strip().lower() in ("true", "false"):
+        return a.strip().lower() == "true"
+    return None
+
+
+def parse_verdict(text: Any) -> bool | None:
+    """The boolean `answer` of a verdict, or None when there is none. Accepts a JSON object,
+    one inside a ``` fence or surrounded by prose, or a trailing `answer: true|false`;
+    `<think>` blocks are ignored."""
+    if not isinstance(text, str):
+        return None
+    text = _THINK.sub("", text)
+    if "</think>" in text:
+        text = text.split("</think>")[-1]
+    text = text.strip()
+    try:
+        a = _answer_of(json.loads(text))
+        if a is not None:
+            return a
+    except ValueError:
+        pass
+    for block in reversed(_FENCE.findall(text)):
+        try:
+            a = _answer_of(json.loads(block.strip()))
+            if a is not None:
+                return a
+        except ValueError:
+            pass
+    decoder = json.JSONDecoder()
+    last = None
+    for m in re.finditer(r"\{", text):
+        try:
+            obj, _ = decoder.raw_decode(text, m.start())
+        except ValueError:
+            continue
+        a = _answer_of(obj)
+        if a is not None:
+            last = a
+    if last is not None:
+        return last
+    hits = _ANSWER.findall(text)
+    return hits[-1].lower() == "true" if hits else None
+
+
+# --------------------------------------------------------------------------------------------
+# Transport
+
+
+class _Retryable(Exception):
+    def __init__(self, kind: str, detail: str):
+        self.kind = kind  # "timeout", "http", "connection", "malformed"
+        super().__init__(detail)
+
+
+class _Fatal(Exception):
+    pass
+
+
+def _is_timeout(e: BaseException) -> bool:
+    return isinstance(e, (TimeoutError, socket.timeout)) or isinstance(
+        getattr(e, "reason", None), (TimeoutError, socket.timeout)
+    )
+
+
+@dataclasses.dataclass
+class TurnJudgement:
+    """verdicts[step][item] (False where no valid verdict); failed[step][item] True where the
+    judge gave none; metrics: counters (METRIC_KEYS)."""
+
+    verdicts: list[list[bool]]
+    failed: list[list[bool]]
+    metrics: dict[str, int]
+
+    @property
+    def judge_failed(self) -> bool:
+        return any(any(row) for row in self.failed)
+
+
+class LLMJudge:
+    """Judges checklist items of a user turn. Use `judge_turn` from synchronous code or
+    `ajudge_turn` under asyncio; one instance's concurrency limit covers all its calls."""
+
+    def __init__(self, config: JudgeConfig):
+        self.config = config
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.concurrency, thread_name_prefix="llm-judge"
+        )
+        self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        headers = {"Content-Type": "application/json"}
+        if config.api_key:
+            headers["Authorization"] = f"Bearer {config.api_key}"
+        self._headers = headers
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> LLMJudge:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        sem = self._semaphores.get(loop)
+        if sem is None:
+            sem = self._semaphores[loop] = asyncio.Semaphore(self.config.concurrency)
+        return sem
+
+    def payload(self, prompt: str) -> dict[str, Any]:
+        c = self.config
+        body: dict[str, Any] = {
+            "model": c.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": c.temperature,
+            "max_tokens": c.max_tokens,
+        }
+        if c.top_p is not None:
+            body["top_p"] = c.top_p
+        if c.response_format:
+            schema = {"name": "evaluation_verdict", "strict": True, "schema": VERDICT_SCHEMA}
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
+        return body
+
+    def _post(self, body: bytes) -> bool:
+        """One blocking attempt (runs in the pool): the verdict, or _Retryable / _Fatal."""
+        req = urllib.request.Request(self.config.url, data=body, headers=self._headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.config.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            if e.code in (408, 429) or e.code >= 500:
+                raise _Retryable("http", f"HTTP {e.code}") from None
+            raise _Fatal(f"HTTP {e.code}: {e.reason}") from None
+        except Exception as e:  # any socket/HTTP-level failure is a judge failure, not a crash
+            if _is_timeout(e):
+                raise _Retryable("timeout", str(e)) from None
+            raise _Retryable("connection", repr(e)) from None
+        try:
+            content = json.loads(raw)["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise _Retryable("malformed", f"not a chat completion: {raw[:200]!r}") from None
+        verdict = parse_verdict(content)
+        if verdict is None:
+            raise _Retryable("malformed", f"no boolean answer in: {str(content)[:200]!r}")
+        return verdict
+
+    async def ajudge_prompt(self, prompt: str, metrics: dict[str, int]) -> bool | None:
+        """One item verdict with retries; None when no valid verdict was obtained."""
+        c = self.config
+        body = json.dumps(self.payload(prompt)).encode()
+        loop = asyncio.get_running_loop()
+        for attempt in range(c.max_retries + 1):
+            if attempt:
+                metrics["judge_retries"] += 1
+                await asyncio.sleep(min(c.backoff_s * 2 ** (attempt - 1), c.max_backoff_s))
+            metrics["judge_requests"] += 1
+            try:
+                async with self._semaphore():
+                    fut = loop.run_in_executor(self._pool, self._post, body)
+                    return await asyncio.wait_for(fut, c.timeout_s)
+            except (asyncio.TimeoutError, TimeoutError):
+                metrics["judge_timeouts"] += 1
+            except _Retryable as e:
+                if e.kind == "timeout":
+                    metrics["judge_timeouts"] += 1
+                elif e.kind == "http":
+                    metrics["judge_http_errors"] += 1
+                elif e.kind == "malformed":
+                    metrics["judge_malformed"] += 1
+                    if not c.retry_malformed:
+                        break
+            except _Fatal:
+                metrics["judge_http_errors"] += 1
+                break
+            except Exception:  # e.g. the pool was shut down: fail the item, never the rollout
+                break
+        metrics["judge_failures"] += 1
+        return None
+
+    async def ajudge_turn(
+        self, messages: Sequence[Mapping[str, Any]], items: Sequence[ChecklistItem]
+    ) -> TurnJudgement:
+        """Judge the current user turn: the assistant steps after the last user message.
+
+        messages: the conversation so far (OpenAI chat dicts) ending with the turn's steps.
+        items: the turn's checklist items.
+        """
+        last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+        if last_user < 0:
+            raise ValueError("ajudge_turn: the conversation has no user message")
+        turn = sum(m.get("role") == "user" for m in messages) - 1
+        previous = render_messages(messages[:last_user])
+        metrics = dict.fromkeys(METRIC_KEYS, 0)
+        jobs, table = [], []
+        for i in range(last_user + 1, len(messages)):
+            if messages[i].get("role") != "assistant":
+                continue
+            end = i + 1
+            while end < len(messages) and messages[end].get("role") in TOOL_ROLES:
+                end += 1
+            tool_error = any(_has_tool_error(m) for m in messages[i + 1 : end])
+            current = render_messages(messages[last_user:end], first_turn=turn)
+            row = []
+            for item in items:
+                metrics["judge_items"] += 1
+                if tool_error and item.focus_on in _TOOL_FOCUS:
+                    metrics["judge_short_circuit"] += 1
+                    row.append(False)
+                else:
+                    row.append(len(jobs))
+                    jobs.append(self.ajudge_prompt(build_prompt(item, previous, current), metrics))
+            table.append(row)
+        results = await asyncio.gather(*jobs)
+        # A row entry is either a short-circuit verdict (bool) or the index of a request.
+        verdicts = [[v if isinstance(v, bool) else bool(results[v]) for v in row] for row in table]
+        failed = [[not isinstance(v, bool) and results[v] is None for v in row] for row in table]
+        return TurnJudgement(verdicts, failed, metrics)
+
+    def judge_turn(
+        self, messages: Sequence[Mapping[str, Any]], items: Sequence[ChecklistItem]
+    ) -> TurnJudgement:
+        """Synchronous `ajudge_turn` (runs its own event loop)."""
+        return asyncio.run(self.ajudge_turn(messages, items))
+
+
+def _has_tool_error(msg: Mapping[str, Any]) -> bool:
+    content = msg.get("content")
+    if not isinstance(content, str):
+        return False
+    try:
+        parsed = json.loads(content)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and "error_tool_call" in parsed
