@@ -139,6 +139,7 @@ def judge_config(base_url: str, **kw) -> JudgeConfig:
         max_retries=2,
         backoff_s=0.01,
         concurrency=8,
+        trust_env=False,  # loopback never goes through a proxy
     )
     defaults.update(kw)
     return JudgeConfig(base_url=base_url, **defaults)

@@ -272,6 +272,8 @@ class ChecklistItem:
     are objects `{turn, step, from, snippet}`; their snippets land here and the objects without
     the snippet in `extra["evidence_sources"]`, so nothing is lost. Keys we do not model
     (`dependence`, annotation metadata) are kept in `extra` and written back by `to_dict`.
+    When absent, `failure_examples` and `evidence` are empty and `required_for_next_turn` is
+    false; `question`, `focus_on`, `pass_condition` and `weight` are required.
     """
 
     question: str

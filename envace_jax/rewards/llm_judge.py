@@ -79,6 +79,7 @@ class JudgeConfig:
     timeout_s: deadline of one attempt, connection to last byte.
     response_format: send the strict JSON-schema `response_format` (servers without
       structured output support reject it; the verdict parser copes without it).
+    trust_env: honour the http(s)_proxy / no_proxy environment variables.
     """
 
     base_url: str
@@ -94,6 +95,7 @@ class JudgeConfig:
     concurrency: int = 64
     response_format: bool = True
     retry_malformed: bool = True
+    trust_env: bool = True
 
     def __post_init__(self):
         if not self.base_url.startswith(("http://", "https://")):
@@ -107,6 +109,8 @@ class JudgeConfig:
             raise ValueError(f"JudgeConfig.timeout_s: expected > 0, got {self.timeout_s}")
         if self.max_retries < 0:
             raise ValueError(f"JudgeConfig.max_retries: expected >= 0, got {self.max_retries}")
+        if self.max_tokens < 1:
+            raise ValueError(f"JudgeConfig.max_tokens: expected >= 1, got {self.max_tokens}")
         if self.concurrency < 1:
             raise ValueError(f"JudgeConfig.concurrency: expected >= 1, got {self.concurrency}")
 
@@ -318,6 +322,8 @@ class LLMJudge:
         if config.api_key:
             headers["Authorization"] = f"Bearer {config.api_key}"
         self._headers = headers
+        handlers = [] if config.trust_env else [urllib.request.ProxyHandler({})]
+        self._opener = urllib.request.build_opener(*handlers)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -354,7 +360,7 @@ class LLMJudge:
         """One blocking attempt (runs in the pool): the verdict, or _Retryable / _Fatal."""
         req = urllib.request.Request(self.config.url, data=body, headers=self._headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.config.timeout_s) as resp:
+            with self._opener.open(req, timeout=self.config.timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             if e.code in (408, 429) or e.code >= 500:
