@@ -327,7 +327,7 @@ def test_every_error_rule():
         (
             {
                 "name": "transfer",
-                "arguments": {"from_id": a0["id"], "to_id": a1["id"], "amount": 5.0},
+                "arguments": {"from_id": a0["id"], "to_id": a1["id"], "amount": 5.5},
             },
             "bad_args",
         ),
@@ -377,6 +377,10 @@ def test_every_error_rule():
         assert set(result) == {"error"} and set(result["error"]) == {"code", "message"}
         json.dumps(result)
     assert env.state()["world"] == before, "errors never change the world"
+    # An integral float is a JSON-schema integer.
+    call = {"from_id": a0["id"], "to_id": a1["id"], "amount": 5.0}
+    (paid,) = env.step([{"name": "transfer", "arguments": call}])
+    assert paid == {"from": a0["id"], "balance": a0["balance"] - 5}
     # Arguments given as a JSON string (OpenAI message style) are accepted.
     (ok,) = env.step([{"name": "get_order", "arguments": json.dumps({"order_id": open_o})}])
     assert ok["id"] == open_o

@@ -313,6 +313,14 @@ def test_two_turns():
     assert r.score == 0.0 and r.per_turn == (0.0,) and r.ended_early_reason == "tool_error"
 
 
+def test_integral_float_amount_is_the_integer():
+    task = _task(two_turns=True)
+    turn2 = [_call("transfer", from_id="A7", to_id="A2", amount=20.0)] + TURN2_OK[1:]
+    assert judge(task, CORRECT + [USER2] + turn2).score == pytest.approx(1.0)
+    turn2 = [_call("transfer", from_id="A7", to_id="A2", amount="20")] + TURN2_OK[1:]
+    assert judge(task, CORRECT + [USER2] + turn2).score == pytest.approx((1.0 + 0.5) / 2)
+
+
 def test_required_item_failure_ends_the_episode():
     task = _task(two_turns=True, required=True)
     wrong = CASES["wrong_id"][0] + [USER2] + TURN2_OK

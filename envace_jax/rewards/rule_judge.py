@@ -108,8 +108,19 @@ def split_turns(messages: Sequence[Mapping[str, Any]]) -> list[list[Step]]:
 
 
 def _canon(value: Any) -> str:
-    """Type-exact comparison key (``55`` and ``55.0`` and ``"55"`` differ)."""
-    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    """Comparison key: JSON text with integral floats as integers (JSON schema counts ``55.0``
+    as the integer 55, and so do the environments); ``"55"`` and ``true`` stay distinct."""
+    return json.dumps(_ints(value), sort_keys=True, ensure_ascii=False)
+
+
+def _ints(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, Mapping):
+        return {k: _ints(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_ints(v) for v in value]
+    return value
 
 
 def states_value(text: str, value: Any) -> bool:

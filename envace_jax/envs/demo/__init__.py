@@ -1,7 +1,7 @@
 """The demo domain: a small executable shop/bank world, its tasks, oracle and demonstrations."""
 
 from envace_jax.envs.demo.env import DemoEnv
-from envace_jax.envs.demo.oracle import oracle_messages
+from envace_jax.envs.demo.oracle import demonstrations, oracle_messages
 from envace_jax.envs.demo.tasks import FAMILIES, SPLITS, generate_tasks, make_task, world_seed
 from envace_jax.envs.demo.tools import STATE_CHANGING, TOOL_NAMES, TOOL_SCHEMAS
 
@@ -12,6 +12,7 @@ __all__ = [
     "TOOL_NAMES",
     "TOOL_SCHEMAS",
     "DemoEnv",
+    "demonstrations",
     "generate_tasks",
     "make_task",
     "oracle_messages",

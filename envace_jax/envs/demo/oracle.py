@@ -12,6 +12,7 @@ from typing import Any
 
 from envace_jax.envs.base import ToolResult, result_text
 from envace_jax.envs.demo.env import DemoEnv
+from envace_jax.text.trajectory import EncodedConversation, encode_conversation
 
 
 def call_message(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -51,3 +52,15 @@ def oracle_messages(task: Any, env: DemoEnv | None = None) -> list[dict[str, Any
     gt = task.ground_truth
     results = [env.step([call])[0] for call in gt["solution"]]
     return conversation(task.messages, gt["solution"], results, gt["final_reply"])
+
+
+def demonstrations(tasks: Sequence[Any], tokenizer) -> list[EncodedConversation]:
+    """Warm-start SFT sequences: each task's oracle conversation encoded as one role-tagged
+    token sequence (`EncodedConversation`: ids/roles/segments, each [T]). Assistant messages
+    are ACT targets and the real environment's responses REHEARSE targets, so a policy learns
+    both to act and to predict what the world answers."""
+    env = DemoEnv()
+    return [
+        encode_conversation(tokenizer, oracle_messages(t, env), list(t.tools), rehearse=True)
+        for t in tasks
+    ]

@@ -85,14 +85,21 @@ def check_arguments(name: str, arguments: Any) -> ToolResult | None:
         if key not in props:
             return tool_error(BAD_ARGS, f"{name}: unexpected {key}")
         want = props[key]["type"]
-        ok = isinstance(value, str) if want == "string" else _is_int(value)
+        ok = isinstance(value, str) if want == "string" else as_int(value) is not None
         if not ok:
             return tool_error(BAD_ARGS, f"{name}: {key} must be {want}")
     return None
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def as_int(value: Any) -> int | None:
+    """`value` as a JSON-schema integer (``5`` or ``5.0``, never a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
 
 
 def _balance_of_owner(world: World, order: dict[str, Any]) -> dict[str, Any]:
@@ -182,4 +189,6 @@ def execute(world: World, name: str, arguments: Any) -> ToolResult:
     err = check_arguments(name, arguments)
     if err is not None:
         return err
+    if "amount" in arguments:
+        arguments = {**arguments, "amount": as_int(arguments["amount"])}
     return _IMPL[name](world, **arguments)

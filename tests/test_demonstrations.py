@@ -1,0 +1,83 @@
+"""Oracle demonstrations: role-tagged sequences whose ACT spans are the oracle's actions and
+whose REHEARSE spans are what the real environment answered, checked against the tokenizer's
+own chat template rendering and against a fresh environment run."""
+
+import json
+
+import numpy as np
+import pytest
+
+from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks, oracle_messages
+from envace_jax.text import Role, load_tokenizer, parse_tool_calls, parse_tool_responses
+
+ACT, REHEARSE = int(Role.ACT), int(Role.REHEARSE)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("demo")
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return generate_tasks(seed=11, n=120, split="train")
+
+
+def _template_ids(tokenizer, messages, tools):
+    out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def test_oracle_messages_are_the_reference_and_leave_a_fresh_env_alone(tasks):
+    other = DemoEnv()
+    other.reset(tasks[0])
+    before = other.state()
+    for task in tasks:
+        assert oracle_messages(task) == list(task.reference_messages)
+    assert other.state() == before
+
+
+def test_demonstrations_tag_actions_and_real_responses(tokenizer, tasks):
+    demos = demonstrations(tasks, tokenizer)
+    env = DemoEnv()
+    lengths = []
+    for task, demo in zip(tasks, demos, strict=True):
+        msgs = oracle_messages(task)
+        assert list(demo.ids) == _template_ids(tokenizer, msgs, list(task.tools))
+        assert demo.ids.shape == demo.roles.shape == demo.segments.shape
+        lengths.append(len(demo.ids))
+        n = task.ground_truth["n_calls"]
+        # ACT, REHEARSE alternate: n (call, response) pairs, then the final reply.
+        assert demo.segment_roles() == [Role.ACT, Role.REHEARSE] * n + [Role.ACT]
+        assert np.all((demo.segments == 0) == (demo.roles == 0))
+
+        env.reset(task)
+        call = None
+        for s in range(1, demo.num_segments + 1):
+            text = tokenizer.decode(demo.ids[demo.segments == s], skip_special_tokens=False)
+            k = (s - 1) // 2
+            if demo.segment_roles()[s - 1] == Role.REHEARSE:
+                responses, problem = parse_tool_responses(text, num_calls=1)
+                assert problem is None, text
+                # The real environment, executing the call parsed from the ACT span.
+                assert json.loads(responses[0]) == env.step([call])[0]
+            elif k < n:
+                action = parse_tool_calls(text.removesuffix("<|im_end|>"), task.tools)
+                assert action.error is None, text
+                (call,) = action.calls
+                want = task.ground_truth["solution"][k]
+                assert (call.name, call.arguments) == (want["name"], want["arguments"])
+            else:
+                assert text.removesuffix("<|im_end|>") == task.ground_truth["final_reply"]
+        assert env.success(task.ground_truth["final_reply"])
+    print(
+        f"oracle demonstration tokens (demo tokenizer): min {min(lengths)}, "
+        f"median {np.median(lengths):.0f}, mean {np.mean(lengths):.0f}, max {max(lengths)}"
+    )
+
+
+def test_demonstrations_are_deterministic(tokenizer, tasks):
+    a = demonstrations(tasks[:10], tokenizer)
+    b = demonstrations(tasks[:10], tokenizer)
+    for x, y in zip(a, b, strict=True):
+        assert np.array_equal(x.ids, y.ids) and np.array_equal(x.roles, y.roles)
