@@ -9,6 +9,8 @@ zeroes the turn and ends the episode; episode score = sum of turn scores / numbe
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from envace_jax.data.tasks import Task
 from envace_jax.envs.demo import TOOL_SCHEMAS, DemoEnv, generate_tasks
@@ -352,3 +354,30 @@ def test_unknown_rule_kind_is_a_clear_error():
     d["checklist"][0][0]["rule"] = {"kind": "vibes"}
     with pytest.raises(ValueError, match="vibes"):
         judge(Task.from_dict(d), CORRECT)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=6),
+    lambda ch: st.lists(ch, max_size=3) | st.dictionaries(st.text(max_size=6), ch, max_size=3),
+    max_leaves=6,
+)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool", "system", "observation", None])},
+    optional={
+        "content": st.none() | st.text(max_size=20) | _json,
+        "tool_calls": _json
+        | st.lists(
+            st.fixed_dictionaries(
+                {"function": st.fixed_dictionaries({"name": _json, "arguments": _json})}
+            ),
+            max_size=2,
+        ),
+    },
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_message, max_size=8))
+def test_model_produced_messages_never_crash(messages):
+    r = judge(_task(two_turns=True), [SYSTEM, USER] + messages)
+    assert 0.0 <= r.score <= 1.0

@@ -71,11 +71,17 @@ def _arguments(raw: Any) -> Any:
 
 
 def _calls_of(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    calls = message.get("tool_calls")
     out = []
-    for tc in message.get("tool_calls") or []:
+    for tc in calls if isinstance(calls, list) else []:
         fn = tc.get("function", tc) if isinstance(tc, Mapping) else {}
+        fn = fn if isinstance(fn, Mapping) else {}
         out.append((str(fn.get("name", "")), _arguments(fn.get("arguments"))))
     return out
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def split_turns(messages: Sequence[Mapping[str, Any]]) -> list[list[Step]]:
@@ -94,7 +100,7 @@ def split_turns(messages: Sequence[Mapping[str, Any]]) -> list[list[Step]]:
             calls = _calls_of(m)
             results = []
             while i < len(messages) and messages[i].get("role") in ("tool", "observation"):
-                results.append(parse_result_text(messages[i].get("content") or ""))
+                results.append(parse_result_text(_text(messages[i].get("content"))))
                 i += 1
             if not calls and results:  # a tool message with no call: keep its error visible
                 calls = [("", None)] * len(results)
@@ -102,7 +108,7 @@ def split_turns(messages: Sequence[Mapping[str, Any]]) -> list[list[Step]]:
                 Call(n, a, results[k] if k < len(results) else None)
                 for k, (n, a) in enumerate(calls)
             ]
-            reply = None if calls else _THINK.sub("", m.get("content") or "").strip()
+            reply = None if calls else _THINK.sub("", _text(m.get("content"))).strip()
             turns[-1].append(Step(tuple(paired), reply))
     return turns
 
@@ -110,7 +116,7 @@ def split_turns(messages: Sequence[Mapping[str, Any]]) -> list[list[Step]]:
 def _canon(value: Any) -> str:
     """Comparison key: JSON text with integral floats as integers (JSON schema counts ``55.0``
     as the integer 55, and so do the environments); ``"55"`` and ``true`` stay distinct."""
-    return json.dumps(_ints(value), sort_keys=True, ensure_ascii=False)
+    return json.dumps(_ints(value), sort_keys=True, ensure_ascii=False, default=repr)
 
 
 def _ints(value: Any) -> Any:

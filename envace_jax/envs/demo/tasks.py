@@ -17,6 +17,14 @@ family changes the world (success is checked on the final state) and its final r
 value that only an observation gives (a new balance, or the amount moved). Name-based
 families pick a customer with a look-alike name in the world when there is one.
 
+Worlds are small (3 customers, 1-2 orders each) and the system turn carries their records
+table, so every lookup result is determined by the context and every state change by a rule
+the tool descriptions state: rehearsing the world is learnable. The table also means an actor
+could skip lookups; the checklist's consistency items (an id passed on must come from an
+earlier result) are what reward looking things up, while success and the ground-truth items
+reward the outcome. Each task offers the tools its solution uses plus `EXTRA_TOOLS`
+distractors (all seven tool schemas would cost ~600 prompt tokens with the demo tokenizer).
+
 World seeds: task ``i`` of ``generate_tasks(seed, n, split)`` uses world seed
 ``(seed * 1_000_003 + i) * 3 + SPLITS.index(split)``, so different splits never share a world
 seed (the seed's residue mod 3 is the split).
