@@ -8,11 +8,13 @@ templated final reply. Its conversation is the task's reference conversation.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envace_jax.envs.base import ToolResult, result_text
 from envace_jax.envs.demo.env import DemoEnv
-from envace_jax.text.trajectory import EncodedConversation, encode_conversation
+
+if TYPE_CHECKING:
+    from envace_jax.text.trajectory import EncodedConversation
 
 
 def call_message(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -59,6 +61,9 @@ def demonstrations(tasks: Sequence[Any], tokenizer) -> list[EncodedConversation]
     token sequence (`EncodedConversation`: ids/roles/segments, each [T]). Assistant messages
     are ACT targets and the real environment's responses REHEARSE targets, so a policy learns
     both to act and to predict what the world answers."""
+    # Imported here: the environment itself needs no tokenizer machinery.
+    from envace_jax.text.trajectory import encode_conversation
+
     env = DemoEnv()
     return [
         encode_conversation(tokenizer, oracle_messages(t, env), list(t.tools), rehearse=True)
