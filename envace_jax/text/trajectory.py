@@ -1,0 +1,133 @@
+"""A chat conversation as one role-tagged token sequence (the trajectory format of the design).
+
+``encode_conversation`` gives the ids the chat template renders, with per token a role (0
+CONTEXT, 1 ACT, 2 REHEARSE) and a segment id (1..S numbering the generated messages in order,
+0 for CONTEXT). The generated spans are the ones ``role_pieces`` defines:
+
+- ACT: an assistant message's content, its tool-call blocks and the closing end-of-turn token,
+  not the ``<|im_start|>assistant\\n`` header;
+- REHEARSE: one segment per tool-response turn (all responses to one ACT message), from the
+  first response body through the turn's closing end-of-turn token, not the
+  ``\\n<|im_start|>user\\n<tool_response>\\n`` glue before it.
+
+With ``rehearse=False`` tool-response turns are CONTEXT (observations of a real environment).
+Used for warm-start SFT demonstrations and as the reference for sampled trajectories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from envace_jax.text.chat import chat_layout, decode, encode, render_text
+from envace_jax.text.role_pieces import role_pieces
+
+
+class Role(enum.IntEnum):
+    CONTEXT = 0
+    ACT = 1
+    REHEARSE = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedConversation:
+    """``ids`` int32 [T], ``roles`` int8 [T], ``segments`` int32 [T] (0 = CONTEXT)."""
+
+    ids: np.ndarray
+    roles: np.ndarray
+    segments: np.ndarray
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.segments.max(initial=0))
+
+    def segment_roles(self) -> list[Role]:
+        """Role of segments 1..S, in order."""
+        return [
+            Role(int(self.roles[np.argmax(self.segments == s)]))
+            for s in range(1, self.num_segments + 1)
+        ]
+
+
+def _spans(tokenizer, messages, tools, full: str, rehearse: bool) -> list[tuple[int, int, Role]]:
+    """Character spans (start, end, role) of the generated messages in ``full``."""
+    lay = chat_layout(tokenizer)
+    glue = decode(tokenizer, role_pieces(tokenizer).act_to_rehearse)
+    sep = lay.turn_sep
+
+    def prefix(n: int, gen: bool = False) -> str:
+        text = render_text(tokenizer, messages[:n], tools, gen)
+        if not full.startswith(text):
+            raise ValueError(
+                f"the rendering of messages[:{n}] is not a prefix of the whole conversation's; "
+                "the chat template is not the Qwen3 layout"
+            )
+        return text
+
+    spans, i = [], 0
+    while i < len(messages):
+        role = messages[i].get("role")
+        if role == "assistant":
+            if i == 0:
+                raise ValueError(
+                    "messages[0]: a conversation must start with a system or user turn"
+                )
+            start, end = len(prefix(i, gen=True)), len(prefix(i + 1)) - len(sep)
+            if not full.startswith(lay.end_of_turn, end - len(lay.end_of_turn)):
+                raise ValueError(f"messages[{i}]: assistant turn does not end with the end of turn")
+            spans.append((start, end, Role.ACT))
+            i += 1
+        elif role == "tool":
+            j = i
+            while j < len(messages) and messages[j].get("role") == "tool":
+                j += 1
+            turn_start = len(prefix(i)) - len(sep)
+            if full[turn_start : turn_start + len(glue)] != glue:
+                raise ValueError(f"messages[{i}]: tool-response turn does not start with {glue!r}")
+            if rehearse:
+                spans.append((turn_start + len(glue), len(prefix(j)) - len(sep), Role.REHEARSE))
+            i = j
+        else:
+            i += 1
+    return spans
+
+
+def encode_conversation(
+    tokenizer,
+    messages: Sequence[Mapping],
+    tools: Sequence[Mapping] | None = None,
+    rehearse: bool = True,
+    add_generation_prompt: bool = False,
+) -> EncodedConversation:
+    """Ids (== ``render(tokenizer, messages, tools)``), roles and segments of a conversation.
+
+    Raises ValueError if a role boundary is not a token boundary (each piece is tokenised on
+    its own and the concatenation must equal the template's ids).
+    """
+    messages = [dict(m) for m in messages]
+    full = render_text(tokenizer, messages, tools, add_generation_prompt)
+    spans = _spans(tokenizer, messages, tools, full, rehearse)
+    ids, roles, segments = [], [], []
+    pos = 0
+    for seg, (start, end, role) in enumerate(spans, start=1):
+        for text, r, s in ((full[pos:start], Role.CONTEXT, 0), (full[start:end], role, seg)):
+            piece = encode(tokenizer, text) if text else []
+            ids += piece
+            roles += [int(r)] * len(piece)
+            segments += [s] * len(piece)
+        pos = end
+    tail = encode(tokenizer, full[pos:]) if pos < len(full) else []
+    ids += tail
+    roles += [0] * len(tail)
+    segments += [0] * len(tail)
+    if ids != encode(tokenizer, full):
+        raise ValueError(
+            "role boundaries are not token boundaries for this tokenizer: encoding the role "
+            "spans separately differs from encoding the whole rendering"
+        )
+    return EncodedConversation(
+        np.asarray(ids, np.int32), np.asarray(roles, np.int8), np.asarray(segments, np.int32)
+    )
