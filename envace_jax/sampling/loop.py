@@ -1,0 +1,404 @@
+"""The compiled decode loop: plain generation, world rehearsal, and host turns in one state machine.
+
+Every row of the batch is one trajectory, written token by token into a preallocated buffer
+[B, T] together with its role tag and segment id (the trajectory format of DESIGN.md). Each
+loop step feeds every row's last written token through the decoder (one KV-cache slot per
+position, see `models.decoder`) and chooses the row's next token:
+
+* if the row has *forced* tokens queued (chat-template glue, or the next user turn), the next
+  queued token is written, tagged CONTEXT, with log-prob 0;
+* otherwise a token is sampled and tagged with the row's current role (ACT or REHEARSE); the
+  first generated token after glue opens a new segment.
+
+When a generated message ends (`end_id`, i.e. `<|im_end|>`), the row changes state:
+
+==================  ===========================================================================
+ACT, called a tool  mode 'rehearse': queue `act_to_rehearse` glue, role := REHEARSE.
+                    mode 'host': pause the row (status AWAITING_ENV); the host executes the
+                    calls and appends the observation with `append_tokens`, then decodes on.
+                    mode 'generate': the row is finished.
+ACT, no tool call   a final reply: queue the row's next user turn if it has one (replayed from
+                    the task, as the reference does), else the row is finished.
+REHEARSE            queue `rehearse_to_act` glue, role := ACT.
+==================  ===========================================================================
+
+A row also stops on a turn limit (ACT messages), on its token budget (TRUNCATED), on a message
+longer than `max_message_tokens` (TRUNCATED), or on an `abort_ids` token such as
+`<|endoftext|>` (INVALID: not a chat-template message end). Nothing returns to the host until
+every row has stopped or paused; whether a finished ACT message parses as valid tool calls is
+judged afterwards on the host, where it cannot crash the loop.
+
+Feeding the last written token (instead of carrying logits from the previous step) lets the
+prefill, a resumed loop and appended host tokens share one code path: re-feeding a token
+rewrites its cache slot with the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from envace_jax.models.decoder import KVCache, init_cache
+from envace_jax.sampling.distributions import SamplingParams, sample_next
+
+CONTEXT, ACT, REHEARSE = 0, 1, 2
+
+
+class Status(enum.IntEnum):
+    """Why a row stopped. RUNNING rows are still decoding."""
+
+    RUNNING = 0
+    FINISHED = 1  # a final reply with no user turn left (or the end of a plain generation)
+    TRUNCATED = 2  # token budget or per-message length exhausted
+    TURN_LIMIT = 3  # the ACT role called tools in its last allowed message
+    INVALID = 4  # an abort token, or (set on the host) an unparseable action
+    AWAITING_ENV = 5  # host-turn mode: waiting for the environment's observation
+
+
+MODES = ("generate", "rehearse", "host")
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnSpec:
+    """Static description of the chat layout the loop drives (hashable: a jit static argument).
+
+    end_id: the id that ends every generated message (`<|im_end|>`).
+    tool_call_id: the id that opens a tool call (`<tool_call>`); an ACT message containing it
+      asked for tools.
+    abort_ids: ids that end a row as INVALID when generated (e.g. `<|endoftext|>`).
+    act_to_rehearse / rehearse_to_act: glue ids between an ACT message and the rehearsed
+      response body, and between that body and the next ACT message (from the chat template).
+    mode: 'generate', 'rehearse' or 'host' (see the module docstring).
+    max_turns: the most ACT messages a row may write.
+    max_message_tokens: the most tokens one generated message may have.
+    """
+
+    end_id: int
+    tool_call_id: int
+    abort_ids: tuple[int, ...] = ()
+    act_to_rehearse: tuple[int, ...] = ()
+    rehearse_to_act: tuple[int, ...] = ()
+    mode: str = "rehearse"
+    max_turns: int = 8
+    max_message_tokens: int = 512
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"TurnSpec.mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "rehearse" and not (self.act_to_rehearse and self.rehearse_to_act):
+            raise ValueError("TurnSpec: mode 'rehearse' needs act_to_rehearse and rehearse_to_act")
+        if self.max_turns < 1 or self.max_message_tokens < 1:
+            raise ValueError("TurnSpec: max_turns and max_message_tokens must be >= 1")
+
+
+@struct.dataclass
+class LoopState:
+    """Everything the loop carries. Arrays are [B, ...]; T is the buffer length."""
+
+    tokens: jax.Array  # int32 [B, T]
+    roles: jax.Array  # int8 [B, T]
+    segments: jax.Array  # int32 [B, T]
+    logprobs: jax.Array  # float32 [B, T]
+    length: jax.Array  # int32 [B]: tokens written
+    budget: jax.Array  # int32 [B]: the most tokens the row may hold (<= T)
+    cache: KVCache
+    role: jax.Array  # int8 [B]: role of the message being generated (ACT / REHEARSE)
+    segment: jax.Array  # int32 [B]: segments opened so far
+    in_message: jax.Array  # bool [B]: a generated message is open
+    message_tokens: jax.Array  # int32 [B]: tokens in the open message
+    called_tool: jax.Array  # bool [B]: the open ACT message wrote tool_call_id
+    act_turns: jax.Array  # int32 [B]: ACT messages completed
+    user_turn: jax.Array  # int32 [B]: index of the user turn being answered (0 = prompt)
+    queue: jax.Array  # int32 [B, Q]: forced tokens
+    queue_len: jax.Array  # int32 [B]
+    queue_pos: jax.Array  # int32 [B]
+    status: jax.Array  # int8 [B]: Status
+    user_turns: jax.Array  # int32 [B, U, Q]: later user turns (glue included), replayed
+    user_turn_lens: jax.Array  # int32 [B, U]
+    num_user_turns: jax.Array  # int32 [B]: how many later user turns each row has
+    key: jax.Array  # PRNG key
+    step: jax.Array  # int32 []: decode steps taken
+
+
+def _queue_width(spec: TurnSpec, user_turns_width: int) -> int:
+    return max(len(spec.act_to_rehearse), len(spec.rehearse_to_act), user_turns_width, 1)
+
+
+def _padded(ids: tuple[int, ...], width: int) -> jax.Array:
+    return jnp.asarray(list(ids) + [0] * (width - len(ids)), jnp.int32)
+
+
+def init_state(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    prompts: jax.Array,
+    prompt_lens: jax.Array,
+    *,
+    key: jax.Array,
+    spec: TurnSpec,
+    max_len: int,
+    max_new_tokens: int | jax.Array,
+    user_turns: jax.Array | None = None,
+    user_turn_lens: jax.Array | None = None,
+) -> LoopState:
+    """Builds the state and prefills the cache with right-padded prompts [B, P].
+
+    prompt_lens [B] >= 1. max_len: the buffer length T (static). max_new_tokens: per-row budget
+    on top of the prompt (scalar or [B]). user_turns [B, U, W] / user_turn_lens [B, U]: the
+    later user turns of multi-turn tasks, each already wrapped in its chat glue (final reply end
+    -> user text -> assistant start); rows with fewer turns have length-0 entries.
+    """
+    prompts = jnp.asarray(prompts, jnp.int32)
+    B, P = prompts.shape
+    if P > max_len:
+        raise ValueError(f"prompts are {P} tokens long but max_len is {max_len}")
+    model = nnx.merge(graphdef, params)
+    if user_turns is None:
+        user_turns = jnp.zeros((B, 0, 1), jnp.int32)
+        user_turn_lens = jnp.zeros((B, 0), jnp.int32)
+    user_turns = jnp.asarray(user_turns, jnp.int32)
+    user_turn_lens = jnp.asarray(user_turn_lens, jnp.int32)
+    width = _queue_width(spec, user_turns.shape[2])
+    if user_turns.shape[2] < width:
+        user_turns = jnp.pad(user_turns, ((0, 0), (0, 0), (0, width - user_turns.shape[2])))
+    prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
+
+    tokens = jnp.zeros((B, max_len), jnp.int32).at[:, :P].set(prompts)
+    cache = init_cache(model.cfg, B, max_len)
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    _, cache = model(prompts, positions, cache=cache)
+    budget = jnp.minimum(prompt_lens + jnp.asarray(max_new_tokens, jnp.int32), max_len)
+    zeros_b = jnp.zeros((B,), jnp.int32)
+    return LoopState(
+        tokens=tokens,
+        roles=jnp.zeros((B, max_len), jnp.int8),
+        segments=jnp.zeros((B, max_len), jnp.int32),
+        logprobs=jnp.zeros((B, max_len), jnp.float32),
+        length=prompt_lens,
+        budget=budget.astype(jnp.int32),
+        cache=cache,
+        role=jnp.full((B,), ACT, jnp.int8),
+        segment=zeros_b,
+        in_message=jnp.zeros((B,), bool),
+        message_tokens=zeros_b,
+        called_tool=jnp.zeros((B,), bool),
+        act_turns=zeros_b,
+        user_turn=zeros_b,
+        queue=jnp.zeros((B, width), jnp.int32),
+        queue_len=zeros_b,
+        queue_pos=zeros_b,
+        status=jnp.where(prompt_lens >= budget, Status.TRUNCATED, Status.RUNNING).astype(jnp.int8),
+        user_turns=user_turns,
+        user_turn_lens=user_turn_lens,
+        num_user_turns=jnp.sum(user_turn_lens > 0, axis=1).astype(jnp.int32),
+        key=key,
+        step=jnp.zeros((), jnp.int32),
+    )
+
+
+def _step(graphdef, params, spec: TurnSpec, sampling: SamplingParams, s: LoopState) -> LoopState:
+    """One token for every running row."""
+    B, T = s.tokens.shape
+    rows = jnp.arange(B)
+    model = nnx.merge(graphdef, params)
+    last = s.length - 1
+    inp = s.tokens[rows, last][:, None]
+    logits, cache = model(inp, last[:, None], cache=s.cache)
+    sampled, logprob = sample_next(logits[:, 0], jax.random.fold_in(s.key, s.step), sampling)
+
+    active = s.status == Status.RUNNING
+    forced = s.queue_pos < s.queue_len
+    generated = active & ~forced
+    tok = jnp.where(forced, s.queue[rows, jnp.minimum(s.queue_pos, s.queue.shape[1] - 1)], sampled)
+    opens = generated & ~s.in_message
+    segment = s.segment + opens
+    write_at = jnp.minimum(s.length, T - 1)
+
+    def put(buf, value):
+        return buf.at[rows, write_at].set(jnp.where(active, value, buf[rows, write_at]))
+
+    tokens = put(s.tokens, tok)
+    roles = put(s.roles, jnp.where(forced, CONTEXT, s.role).astype(jnp.int8))
+    segments = put(s.segments, jnp.where(forced, 0, segment))
+    logprobs = put(s.logprobs, jnp.where(forced, 0.0, logprob))
+    length = s.length + active
+    queue_pos = s.queue_pos + (active & forced)
+    message_tokens = jnp.where(opens, 0, s.message_tokens) + generated
+
+    is_act = s.role == ACT
+    ended = generated & (tok == spec.end_id)
+    aborted = generated & jnp.isin(tok, jnp.asarray(spec.abort_ids or (-1,), jnp.int32))
+    called_tool = s.called_tool | (generated & is_act & (tok == spec.tool_call_id))
+    act_tool_end = ended & is_act & called_tool
+    act_final_end = ended & is_act & ~called_tool
+    rehearse_end = ended & ~is_act
+    act_turns = s.act_turns + (ended & is_act)
+
+    status = s.status
+    role = s.role
+    # A message can only end while the queue is drained; start every transition empty.
+    queue = s.queue
+    queue_len = jnp.where(ended, 0, s.queue_len)
+    new_queue_pos = jnp.where(ended, 0, queue_pos)
+
+    def enqueue(cond, ids_row, n):
+        return jnp.where(cond[:, None], ids_row, queue), jnp.where(cond, n, queue_len)
+
+    # ACT called tools.
+    over_turns = act_tool_end & (act_turns >= spec.max_turns)
+    if spec.mode == "rehearse":
+        go = act_tool_end & ~over_turns
+        queue, queue_len = enqueue(
+            go, _padded(spec.act_to_rehearse, queue.shape[1])[None], len(spec.act_to_rehearse)
+        )
+        role = jnp.where(go, REHEARSE, role)
+        status = jnp.where(over_turns, Status.TURN_LIMIT, status)
+    elif spec.mode == "host":
+        status = jnp.where(over_turns, Status.TURN_LIMIT, status)
+        status = jnp.where(act_tool_end & ~over_turns, Status.AWAITING_ENV, status)
+    else:
+        status = jnp.where(act_tool_end, Status.FINISHED, status)
+    # REHEARSE finished its response.
+    queue, queue_len = enqueue(
+        rehearse_end,
+        _padded(spec.rehearse_to_act, queue.shape[1])[None],
+        len(spec.rehearse_to_act),
+    )
+    role = jnp.where(rehearse_end, ACT, role)
+    # A final reply: replay the next user turn, or finish.
+    has_next = s.user_turn < s.num_user_turns
+    next_turn = act_final_end & has_next
+    U = s.user_turns.shape[1]
+    if U:
+        idx = jnp.minimum(s.user_turn, U - 1)
+        queue, queue_len = enqueue(next_turn, s.user_turns[rows, idx], s.user_turn_lens[rows, idx])
+    user_turn = s.user_turn + next_turn
+    status = jnp.where(act_final_end & ~has_next, Status.FINISHED, status)
+    status = jnp.where(aborted, Status.INVALID, status)
+    # Budgets: a message too long, or no room for the next token.
+    too_long = generated & ~ended & (message_tokens >= spec.max_message_tokens)
+    full = active & (length >= s.budget)
+    status = jnp.where((too_long | full) & (status == Status.RUNNING), Status.TRUNCATED, status)
+
+    return s.replace(
+        tokens=tokens,
+        roles=roles,
+        segments=segments,
+        logprobs=logprobs,
+        length=length,
+        cache=cache,
+        role=role.astype(jnp.int8),
+        segment=segment,
+        in_message=(s.in_message | opens) & ~ended,
+        message_tokens=message_tokens,
+        called_tool=called_tool & ~ended,
+        act_turns=act_turns,
+        user_turn=user_turn,
+        queue=queue,
+        queue_len=queue_len,
+        queue_pos=new_queue_pos,
+        status=status.astype(jnp.int8),
+        step=s.step + 1,
+    )
+
+
+def decode(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    state: LoopState,
+    *,
+    spec: TurnSpec,
+    sampling: SamplingParams,
+    max_steps: int | jax.Array,
+) -> LoopState:
+    """Runs `_step` until no row is RUNNING or `max_steps` more steps were taken."""
+    stop_at = state.step + jnp.asarray(max_steps, jnp.int32)
+
+    def cond(s):
+        return jnp.any(s.status == Status.RUNNING) & (s.step < stop_at)
+
+    return jax.lax.while_loop(cond, lambda s: _step(graphdef, params, spec, sampling, s), state)
+
+
+def append_tokens(
+    graphdef: nnx.GraphDef, params: Any, state: LoopState, chunk: jax.Array, chunk_lens: jax.Array
+) -> LoopState:
+    """Host turns: appends CONTEXT tokens [B, C] (right-padded, chunk_lens [B]) to paused rows.
+
+    The chunk is prefilled on top of the existing cache (positions continue each row's length;
+    the history is never re-prefilled) and rows that received tokens resume as ACT. A chunk that
+    does not fit the row's budget truncates the row instead.
+    """
+    chunk = jnp.asarray(chunk, jnp.int32)
+    chunk_lens = jnp.asarray(chunk_lens, jnp.int32)
+    B, C = chunk.shape
+    T = state.tokens.shape[1]
+    receives = (chunk_lens > 0) & (state.status == Status.AWAITING_ENV)
+    fits = state.length + chunk_lens < state.budget
+    take = receives & fits
+    positions = state.length[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
+    valid = take[:, None] & (jnp.arange(C)[None] < chunk_lens[:, None])
+    cols = jnp.where(valid, positions, T)  # T is out of bounds: dropped
+    rows = jnp.arange(B)[:, None]
+    tokens = state.tokens.at[rows, cols].set(chunk, mode="drop")
+    roles = state.roles.at[rows, cols].set(CONTEXT, mode="drop")
+    segments = state.segments.at[rows, cols].set(0, mode="drop")
+    logprobs = state.logprobs.at[rows, cols].set(0.0, mode="drop")
+    model = nnx.merge(graphdef, params)
+    # The last written token has no cache entry yet (a step feeds it before sampling the next),
+    # so it is prefilled together with the chunk. Rows that take nothing re-feed only it, at
+    # its own position: an idempotent write.
+    last_pos = state.length - 1
+    last_tok = state.tokens[jnp.arange(B), last_pos]
+    feed_tok = jnp.concatenate([last_tok[:, None], chunk], axis=1)
+    steps = jnp.arange(C + 1, dtype=jnp.int32)[None]
+    feed_pos = jnp.where(take[:, None], last_pos[:, None] + steps, last_pos[:, None])
+    feed_tok = jnp.where(take[:, None], feed_tok, last_tok[:, None])
+    _, cache = model(feed_tok, jnp.minimum(feed_pos, T), cache=state.cache)
+    status = jnp.where(take, Status.RUNNING, state.status)
+    status = jnp.where(receives & ~fits, Status.TRUNCATED, status)
+    return state.replace(
+        tokens=tokens,
+        roles=roles,
+        segments=segments,
+        logprobs=logprobs,
+        length=state.length + jnp.where(take, chunk_lens, 0),
+        cache=cache,
+        role=jnp.where(take, ACT, state.role).astype(jnp.int8),
+        status=status.astype(jnp.int8),
+    )
+
+
+@struct.dataclass
+class Trajectories:
+    """Host-side result of a decode: numpy arrays in the DESIGN.md trajectory layout."""
+
+    tokens: np.ndarray  # int32 [B, T] (right-padded with pad_id)
+    roles: np.ndarray  # int8 [B, T]
+    segments: np.ndarray  # int32 [B, T]
+    logprobs: np.ndarray  # float32 [B, T]
+    lengths: np.ndarray  # int32 [B]
+    status: np.ndarray  # int8 [B]
+    act_turns: np.ndarray  # int32 [B]
+
+
+def to_trajectories(state: LoopState, pad_id: int) -> Trajectories:
+    """Copies the finished state to the host, padding past each row's length with pad_id."""
+    length = np.asarray(state.length)
+    T = state.tokens.shape[1]
+    past = np.arange(T)[None, :] >= length[:, None]
+    return Trajectories(
+        tokens=np.where(past, pad_id, np.asarray(state.tokens)).astype(np.int32),
+        roles=np.where(past, 0, np.asarray(state.roles)).astype(np.int8),
+        segments=np.where(past, 0, np.asarray(state.segments)).astype(np.int32),
+        logprobs=np.where(past, 0.0, np.asarray(state.logprobs)).astype(np.float32),
+        lengths=length.astype(np.int32),
+        status=np.asarray(state.status).astype(np.int8),
+        act_turns=np.asarray(state.act_turns).astype(np.int32),
+    )
