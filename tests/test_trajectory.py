@@ -8,11 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from envace_jax.text import (
+    ConversationParseError,
     Role,
     decode,
     encode,
     encode_conversation,
     load_tokenizer,
+    parse_conversation,
     prompt_ids,
     render,
     role_pieces,
@@ -155,3 +157,30 @@ def test_fuzz_spans_are_what_each_role_writes(tok, case):
     assert enc.segment_roles() == [r for r, _ in spans]
     for s, (_, span_text) in enumerate(spans, start=1):
         assert decode(tok, enc.ids[enc.segments == s]) == span_text
+
+
+def test_template_that_marks_a_trailing_answer(tok):
+    # Qwen3's own template puts an empty <think> block before a trailing answer, so a
+    # rendering that stops after an assistant message is not a prefix of the whole. The
+    # derivations avoid such prefixes; check with a template that behaves that way.
+    qwen_like = load_tokenizer("demo")
+    qwen_like.chat_template = tok.chat_template.replace(
+        "'<|im_start|>assistant\\n' + content",
+        "'<|im_start|>assistant\\n' + ('<think>\\n\\n</think>\\n\\n' if loop.last else '')"
+        " + content",
+    )
+    assert qwen_like.chat_template != tok.chat_template
+    assert role_pieces(qwen_like) == role_pieces(tok)
+    rendered = render(qwen_like, MULTI_TURN, TOOLS)
+    assert rendered != render(tok, MULTI_TURN, TOOLS)
+    enc = encode_conversation(qwen_like, MULTI_TURN, TOOLS)
+    assert list(enc.ids) == rendered
+    assert enc.segment_roles() == [r for r, _ in SPANS]
+    last = decode(qwen_like, enc.ids[enc.segments == enc.num_segments])
+    assert last == "<think>\n\n</think>\n\n" + SPANS[-1][1]
+    for s, (_, text) in enumerate(SPANS[:-1], start=1):
+        assert decode(qwen_like, enc.ids[enc.segments == s]) == text
+    # This template inserts text no message holds, so it cannot be inverted; the parser says so
+    # instead of returning messages that render differently.
+    with pytest.raises(ConversationParseError, match="does not re-render"):
+        parse_conversation(qwen_like, rendered)

@@ -53,21 +53,34 @@ class EncodedConversation:
 
 
 def _spans(tokenizer, messages, tools, full: str, rehearse: bool) -> list[tuple[int, int, Role]]:
-    """Character spans (start, end, role) of the generated messages in ``full``."""
+    """Character spans (start, end, role) of the generated messages in ``full``.
+
+    An assistant span starts where the generation prompt after the messages before it ends and
+    runs through the next end-of-turn token; a tool-response span starts after the
+    act-to-rehearse glue and is checked against the layout's wrapping of its responses. Only
+    renderings that end before an assistant message are used as prefixes (Qwen3's own
+    template renders a trailing assistant message differently).
+    """
     lay = chat_layout(tokenizer)
     glue = decode(tokenizer, role_pieces(tokenizer).act_to_rehearse)
-    sep = lay.turn_sep
+    eot = lay.end_of_turn
 
-    def prefix(n: int, gen: bool = False) -> str:
+    def prefix_end(n: int, gen: bool = False) -> int:
         text = render_text(tokenizer, messages[:n], tools, gen)
         if not full.startswith(text):
             raise ValueError(
                 f"the rendering of messages[:{n}] is not a prefix of the whole conversation's; "
                 "the chat template is not the Qwen3 layout"
             )
-        return text
+        return len(text)
 
-    spans, i = [], 0
+    for i, m in enumerate(messages):
+        texts = [m.get("content") or ""] + [str(c) for c in m.get("tool_calls") or []]
+        if any(eot in t for t in texts if isinstance(t, str)):
+            raise ValueError(f"messages[{i}] contains the end-of-turn token {eot!r}")
+
+    spans: list[tuple[int, int, Role]] = []
+    i, act_end = 0, None  # act_end: where the previous message's ACT span ended, if any
     while i < len(messages):
         role = messages[i].get("role")
         if role == "assistant":
@@ -75,23 +88,30 @@ def _spans(tokenizer, messages, tools, full: str, rehearse: bool) -> list[tuple[
                 raise ValueError(
                     "messages[0]: a conversation must start with a system or user turn"
                 )
-            start, end = len(prefix(i, gen=True)), len(prefix(i + 1)) - len(sep)
-            if not full.startswith(lay.end_of_turn, end - len(lay.end_of_turn)):
-                raise ValueError(f"messages[{i}]: assistant turn does not end with the end of turn")
+            start = prefix_end(i, gen=True)
+            end = full.find(eot, start) + len(eot)
+            if end < len(eot):
+                raise ValueError(f"messages[{i}]: assistant turn has no end-of-turn token")
             spans.append((start, end, Role.ACT))
-            i += 1
+            i, act_end = i + 1, end
         elif role == "tool":
             j = i
             while j < len(messages) and messages[j].get("role") == "tool":
                 j += 1
-            turn_start = len(prefix(i)) - len(sep)
-            if full[turn_start : turn_start + len(glue)] != glue:
+            turn = act_end if act_end is not None else prefix_end(i) - len(lay.turn_sep)
+            if full[turn : turn + len(glue)] != glue:
                 raise ValueError(f"messages[{i}]: tool-response turn does not start with {glue!r}")
+            bodies = [m.get("content") or "" for m in messages[i:j]]
+            between = lay.response_close + lay.response_sep + lay.response_open
+            span = between.join(bodies) + lay.response_close + eot
+            start = turn + len(glue)
+            if full[start : start + len(span)] != span:
+                raise ValueError(f"messages[{i}:{j}]: tool responses do not render as the layout")
             if rehearse:
-                spans.append((turn_start + len(glue), len(prefix(j)) - len(sep), Role.REHEARSE))
-            i = j
+                spans.append((start, start + len(span), Role.REHEARSE))
+            i, act_end = j, None
         else:
-            i += 1
+            i, act_end = i + 1, None
     return spans
 
 
