@@ -33,7 +33,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -498,12 +498,6 @@ def flatten_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[key] = v
     return flat
-
-
-def iter_hf_state_dict(params: Mapping[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, host array) pairs for `params` ({dotted path: array}), one at a time."""
-    for e in hf_tensor_entries(params):
-        yield e.name, e.read()
 
 
 # --------------------------------------------------------------------------------------
