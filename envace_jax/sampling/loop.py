@@ -46,8 +46,9 @@ from flax import nnx, struct
 
 from envace_jax.models.decoder import KVCache, init_cache
 from envace_jax.sampling.distributions import SamplingParams, sample_next
+from envace_jax.text.trajectory import Role
 
-CONTEXT, ACT, REHEARSE = 0, 1, 2
+CONTEXT, ACT, REHEARSE = int(Role.CONTEXT), int(Role.ACT), int(Role.REHEARSE)
 
 
 class Status(enum.IntEnum):
