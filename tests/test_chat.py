@@ -192,6 +192,10 @@ def test_non_qwen_template_is_rejected(tok):
     with pytest.raises(TemplateLayoutError):
         role_pieces(other)
     assert role_pieces(tok).act_end == (tok.convert_tokens_to_ids("<|im_end|>"),)
+    # A template that raises on tool messages.
+    other.chat_template = tok.chat_template.replace("message.role == 'tool'", "false")
+    with pytest.raises(TemplateLayoutError, match="unknown role tool"):
+        chat_layout(other)
 
 
 def test_tokenizer_merging_across_a_boundary_is_rejected(tmp_path):

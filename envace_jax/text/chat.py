@@ -109,11 +109,20 @@ _CACHES: dict[str, weakref.WeakKeyDictionary] = {}
 
 
 def cached_per_tokenizer(kind: str, tokenizer, build: Callable[[Any], Any]) -> Any:
-    """``build(tokenizer)`` computed once per tokenizer object (and chat template)."""
+    """``build(tokenizer)`` computed once per tokenizer object (and chat template). Errors of
+    the template itself while rendering probes are reported as TemplateLayoutError."""
     cache = _CACHES.setdefault(kind, weakref.WeakKeyDictionary())
     entry = cache.get(tokenizer)
     if entry is None or entry[0] != tokenizer.chat_template:
-        entry = (tokenizer.chat_template, build(tokenizer))
+        try:
+            built = build(tokenizer)
+        except TemplateLayoutError:
+            raise
+        except Exception as e:  # the template raised on a probe conversation
+            raise TemplateLayoutError(
+                f"chat template cannot render the Qwen3 tool-use layout ({kind}): {e}"
+            ) from e
+        entry = (tokenizer.chat_template, built)
         cache[tokenizer] = entry
     return entry[1]
 
