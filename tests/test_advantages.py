@@ -190,19 +190,24 @@ def test_validate_names_the_bad_field(field, value, message):
 
 def test_validate_rejects_split_and_mixed_role_messages():
     split = tb.from_numpy(
-        tokens=[[1] * 5],
-        roles=[[1, 1, 0, 1, 0]],
-        segments=[[1, 1, 0, 1, 0]],
+        tokens=[[1] * 6],
+        roles=[[0, 1, 1, 0, 1, 0]],
+        segments=[[0, 1, 1, 0, 1, 0]],
         group=[0],
         reward=[0.0],
     )
-    with pytest.raises(ValueError, match="position 3: messages must be contiguous"):
+    with pytest.raises(ValueError, match="position 4: messages must be contiguous"):
         tb.validate(split)
     mixed = tb.from_numpy(
-        tokens=[[1] * 3], roles=[[1, 2, 0]], segments=[[1, 1, 0]], group=[0], reward=[0.0]
+        tokens=[[1] * 4], roles=[[0, 1, 2, 0]], segments=[[0, 1, 1, 0]], group=[0], reward=[0.0]
     )
-    with pytest.raises(ValueError, match="position 1"):
+    with pytest.raises(ValueError, match="position 2"):
         tb.validate(mixed)
+    first = tb.from_numpy(
+        tokens=[[1] * 2], roles=[[1, 0]], segments=[[1, 0]], group=[0], reward=[0.0]
+    )
+    with pytest.raises(ValueError, match="position 0 must be context"):
+        tb.validate(first)
 
 
 def test_pad_to_bucket_keeps_advantages():

@@ -95,9 +95,9 @@ def from_numpy(**fields) -> TrajectoryBatch:
 def validate(batch: TrajectoryBatch) -> None:
     """Checks shapes, dtypes and the role/segment layout on the host; raises naming field and row.
 
-    Rules: roles in {0, 1, 2}; segment 0 exactly on context tokens; each segment one contiguous
-    run of a single role; segments numbered 1, 2, ... in order; nothing generated past `lengths`;
-    0 <= group < B; finite reward and generated-token logprobs.
+    Rules: roles in {0, 1, 2}; position 0 is context; segment 0 exactly on context tokens; each
+    segment one contiguous run of a single role; segments numbered 1, 2, ... in order; nothing
+    generated past `lengths`; 0 <= group < B; finite reward and generated-token logprobs.
     """
     arrays = {k: np.asarray(getattr(batch, k)) for k in _DTYPES}
     b, t = arrays["tokens"].shape if arrays["tokens"].ndim == 2 else (None, None)
@@ -128,6 +128,8 @@ def validate(batch: TrajectoryBatch) -> None:
             ((segs > 0) != gen).any(1),
             "segment id must be > 0 exactly on ACT and REHEARSE tokens and 0 on context tokens",
         )
+    if gen[:, 0].any():
+        fail("roles", gen[:, 0], "position 0 must be context (no prefix predicts it)")
     past_end = gen & (np.arange(t)[None, :] >= lengths[:, None])
     if past_end.any():
         fail("roles", past_end.any(1), "generated token at or after lengths[row]")

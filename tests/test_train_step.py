@@ -1,0 +1,183 @@
+"""GRPO and SFT train steps on a tiny policy (one device).
+
+Independent references: a NumPy next-token scorer for the SFT loss, torch's AdamW for the
+optimizer, and equalities that must hold by construction (accumulated micro-batches equal one
+big batch; recomputed old log-probs equal the sampling policy's own log-probs).
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+from flax import nnx
+
+from envace_jax.rl import steps
+from envace_jax.rl.advantages import compute_advantages
+from envace_jax.rl.config import GRPOConfig, SFTConfig
+from envace_jax.rl.optim import OptimConfig, make_optimizer, make_schedule
+from tests.rl_helpers import batch_with_policy_logprobs, numpy_token_logprobs, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def batch(model):
+    rng = np.random.default_rng(0)
+    return batch_with_policy_logprobs(
+        model, rng, noise=0.3, batch_size=8, seq_len=32, num_groups=2, padding_rows=1
+    )
+
+
+def params_of(model):
+    return nnx.state(model, nnx.Param)
+
+
+def run(model, tx, cfg, batch, n_steps=1, ref=None):
+    state = steps.init_train_state(params_of(model), tx)
+    step = steps.make_grpo_step(model, tx, cfg)
+    for _ in range(n_steps):
+        state, metrics = step(state, batch, *(() if ref is None else (ref,)))
+    return state, metrics
+
+
+def assert_trees_close(a, b, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
+
+
+def max_diff(a, b):
+    return max(
+        float(np.abs(np.asarray(x) - np.asarray(y)).max())
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def test_gradient_accumulation_equals_one_big_batch(model, batch):
+    tx = optax.sgd(0.5)
+    ref = steps.frozen_copy(params_of(model))
+    cfg = GRPOConfig(old_logprobs="sampler", use_kl=True, kl_coef=0.1, entropy_coef=0.01)
+    one, m1 = run(model, tx, cfg, batch, ref=ref)
+    four, m4 = run(model, tx, GRPOConfig(**{**cfg.__dict__, "micro_batches": 4}), batch, ref=ref)
+    moved = max_diff(one.params, params_of(model))
+    assert moved > 1e-3  # the update is large enough for the comparison to mean something
+    assert_trees_close(one.params, four.params, atol=1e-6)
+    for k in ("loss", "grad_norm", "pg_clipfrac", "kl", "entropy", "approx_kl"):
+        np.testing.assert_allclose(float(m1[k]), float(m4[k]), rtol=1e-5, atol=1e-7)
+    assert 0 < float(m1["pg_clipfrac"]) < 1
+    assert float(m1["trained_tokens"]) == (np.asarray(batch.segments) > 0).sum()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_recomputed_old_logprobs_equal_the_sampling_policys(model, mini_batches):
+    # The batch's logprobs are exactly the starting policy's, so recomputing them with the
+    # starting params must give the same updates: also for the second mini-batch, which sees
+    # params already moved by the first (ratios != 1 there).
+    exact = batch_with_policy_logprobs(
+        model, np.random.default_rng(1), batch_size=8, seq_len=32, num_groups=2
+    )
+    tx = optax.sgd(1.0)
+    kw = dict(mini_batches=mini_batches, entropy_coef=0.0)
+    rec, m_rec = run(model, tx, GRPOConfig(old_logprobs="recompute", **kw), exact)
+    smp, m_smp = run(model, tx, GRPOConfig(old_logprobs="sampler", **kw), exact)
+    assert_trees_close(rec.params, smp.params, atol=1e-5)
+    np.testing.assert_allclose(float(m_rec["approx_kl"]), float(m_smp["approx_kl"]), atol=1e-6)
+    if mini_batches == 2:
+        assert float(m_rec["approx_kl"]) > 1e-6  # the second update is off-policy
+
+
+def test_sft_step_is_next_token_cross_entropy_and_trains_the_chosen_role(model, batch):
+    tx = make_optimizer(OptimConfig(learning_rate=3e-3))
+    state = steps.init_train_state(params_of(model), tx)
+    step = steps.make_sft_step(model, tx, SFTConfig(train_roles=("rehearse",), micro_batches=2))
+    before = numpy_token_logprobs(model, batch.tokens)
+    rehearse = np.asarray(batch.roles) == 2
+    for i in range(4):
+        state, metrics = step(state, batch)
+        if i == 0:  # the loss is measured with the starting params
+            np.testing.assert_allclose(float(metrics["loss"]), -before[rehearse].mean(), rtol=1e-5)
+            assert float(metrics["trained_tokens"]) == rehearse.sum()
+    after = numpy_token_logprobs(nnx.merge(nnx.graphdef(model), state.params), batch.tokens)
+    assert after[rehearse].mean() > before[rehearse].mean() + 0.05
+    assert int(state.step) == 4
+
+
+def test_grpo_moves_logprobs_with_the_advantage_and_keeps_the_reference(model, batch):
+    tx = make_optimizer(OptimConfig(learning_rate=3e-3))
+    params = params_of(model)
+    ref = steps.frozen_copy(params)
+    cfg = GRPOConfig(use_kl=True)
+    state, metrics = run(model, tx, cfg, batch, n_steps=4, ref=ref)
+    adv, _ = compute_advantages(batch.roles, batch.segments, batch.group, batch.reward, cfg)
+    adv = np.asarray(adv)
+    before = numpy_token_logprobs(model, batch.tokens)
+    after = numpy_token_logprobs(nnx.merge(nnx.graphdef(model), state.params), batch.tokens)
+    gain = after - before
+    assert gain[adv > 0].mean() > 0.01 > -0.01 > gain[adv < 0].mean()
+    for role in ("act", "rehearse"):
+        assert float(metrics[f"{role}/outputs"]) > 0
+    # The reference is a copy: the donated train state never touched it.
+    assert_trees_close(ref, params, atol=0)
+    assert float(metrics["kl"]) > 0  # by the last step the policy has left the reference
+    half = steps.frozen_copy(params, dtype=jax.numpy.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(half)} == {np.dtype(jax.numpy.bfloat16)}
+
+
+def test_indivisible_batch_names_the_config_keys(model, batch):
+    tx = optax.sgd(0.1)
+    with pytest.raises(ValueError, match=r"config\.rl\.mini_batches=3"):
+        run(model, tx, GRPOConfig(mini_batches=3), batch)
+
+
+def test_optimizer_matches_torch_adamw_with_clipping():
+    cfg = OptimConfig(
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        grad_clip=0.5,
+        warmup_steps=2,
+        schedule="cosine",
+        decay_steps=5,
+        end_lr_ratio=0.1,
+    )
+    rng = np.random.default_rng(0)
+    p0 = {"w": rng.normal(size=(4, 3)), "b": rng.normal(size=(3,))}
+    grads = [{k: rng.normal(size=v.shape) for k, v in p0.items()} for _ in range(6)]
+    tx = make_optimizer(cfg)
+    params = jax.tree.map(lambda x: np.asarray(x, np.float32), p0)
+    state = tx.init(params)
+    tp = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in p0.items()}
+    opt = torch.optim.AdamW(
+        list(tp.values()),
+        lr=1.0,
+        betas=(cfg.b1, cfg.b2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+    )
+    sched = make_schedule(cfg)
+    for i, g in enumerate(grads):
+        upd, state = tx.update(jax.tree.map(lambda x: np.asarray(x, np.float32), g), state, params)
+        params = optax.apply_updates(params, upd)
+        for k in tp:
+            tp[k].grad = torch.tensor(g[k])
+        torch.nn.utils.clip_grad_norm_(list(tp.values()), cfg.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = float(sched(i))
+        opt.step()
+        for k in tp:
+            np.testing.assert_allclose(np.asarray(params[k]), tp[k].detach().numpy(), atol=2e-6)
+    assert float(sched(0)) == 0.0 and float(sched(2)) == pytest.approx(1e-2)
+    assert float(sched(7)) == pytest.approx(1e-3)
+
+
+def test_optim_config_errors_name_the_key():
+    with pytest.raises(ValueError, match=r"config\.optim\.lr_peak"):
+        OptimConfig.from_config({"lr_peak": 1.0})
+    with pytest.raises(ValueError, match=r"config\.optim\.schedule"):
+        OptimConfig.from_config({"schedule": "step"})
+    with pytest.raises(ValueError, match="decay_steps"):
+        OptimConfig.from_config({"schedule": "cosine"})
+    assert OptimConfig.from_config({"learning_rate": 2e-6}).learning_rate == 2e-6
