@@ -18,6 +18,7 @@ from envace_jax.text import (
     prompt_ids,
     render,
     role_pieces,
+    tool_responses_ids,
 )
 from tests.chat_samples import ACT1, ACT2, ACT4, MULTI_TURN, TOOLS, call
 
@@ -184,3 +185,15 @@ def test_template_that_marks_a_trailing_answer(tok):
     # instead of returning messages that render differently.
     with pytest.raises(ConversationParseError, match="does not re-render"):
         parse_conversation(qwen_like, rendered)
+
+
+def test_tool_responses_ids_are_the_rehearse_segments(tok):
+    enc = encode_conversation(tok, MULTI_TURN, TOOLS)
+    bodies = [
+        ['{"status": "shipped"}', '{"status": "pending"}'],
+        ['{"cancelled": true}'],
+        ["\n 42.0 \n"],
+    ]
+    rehearse = [s for s, r in enumerate(enc.segment_roles(), start=1) if r == Role.REHEARSE]
+    for s, responses in zip(rehearse, bodies, strict=True):
+        assert tool_responses_ids(tok, responses) == list(enc.ids[enc.segments == s])

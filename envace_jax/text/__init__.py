@@ -16,7 +16,13 @@ from envace_jax.text.chat import (
     render,
     render_text,
 )
-from envace_jax.text.role_pieces import RolePieces, prompt_ids, role_pieces
+from envace_jax.text.role_pieces import (
+    RolePieces,
+    prompt_ids,
+    role_pieces,
+    tool_responses_ids,
+    tool_responses_text,
+)
 from envace_jax.text.tokenizer import DEMO, SpecialIds, load_tokenizer, special_ids
 from envace_jax.text.tool_calls import (
     ErrorCode,
@@ -65,5 +71,7 @@ __all__ = [
     "sanitize_json",
     "sanitize_text",
     "special_ids",
+    "tool_responses_ids",
+    "tool_responses_text",
     "validate_schema",
 ]

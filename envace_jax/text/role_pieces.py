@@ -210,6 +210,21 @@ def role_pieces(tokenizer) -> RolePieces:
     return cached_per_tokenizer("role_pieces", tokenizer, _derive)
 
 
+def tool_responses_text(tokenizer, responses: Sequence[str]) -> str:
+    """The REHEARSE span holding ``responses`` (one per call): bodies, separators, closing."""
+    lay = chat_layout(tokenizer)
+    between = lay.response_close + lay.response_sep + lay.response_open
+    return between.join(responses) + lay.response_close + lay.end_of_turn
+
+
+def tool_responses_ids(tokenizer, responses: Sequence[str]) -> list[int]:
+    """Ids of :func:`tool_responses_text`, encoded as one text: the template's ids for any
+    tokenizer (splicing ``tool_response_sep`` between separately encoded bodies is exact only
+    when no merge joins a body's last character to the newline after it, as in the demo
+    tokenizer but not in Qwen3's, where e.g. ``}\n`` is one token)."""
+    return encode(tokenizer, tool_responses_text(tokenizer, responses))
+
+
 def prompt_ids(
     tokenizer, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None
 ) -> list[int]:

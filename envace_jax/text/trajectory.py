@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from envace_jax.text.chat import chat_layout, decode, encode, render_text
-from envace_jax.text.role_pieces import role_pieces
+from envace_jax.text.role_pieces import role_pieces, tool_responses_text
 
 
 class Role(enum.IntEnum):
@@ -101,9 +101,7 @@ def _spans(tokenizer, messages, tools, full: str, rehearse: bool) -> list[tuple[
             turn = act_end if act_end is not None else prefix_end(i) - len(lay.turn_sep)
             if full[turn : turn + len(glue)] != glue:
                 raise ValueError(f"messages[{i}]: tool-response turn does not start with {glue!r}")
-            bodies = [m.get("content") or "" for m in messages[i:j]]
-            between = lay.response_close + lay.response_sep + lay.response_open
-            span = between.join(bodies) + lay.response_close + eot
+            span = tool_responses_text(tokenizer, [m.get("content") or "" for m in messages[i:j]])
             start = turn + len(glue)
             if full[start : start + len(span)] != span:
                 raise ValueError(f"messages[{i}:{j}]: tool responses do not render as the layout")
