@@ -305,7 +305,11 @@ class Decoder(nnx.Module):
         positions = positions.astype(jnp.int32)
 
         emb = self.embed.embedding[...]
-        x = jnp.take(emb, tokens, axis=0).astype(dt)
+        # Gather from a table whose embed dim is whole (FSDP all-gathers it, as for any
+        # weight): gathering from the fsdp-sharded table would leave the activations
+        # sharded on embed, which XLA can only reshard to batch by full rematerialisation.
+        table = with_logical_constraint(emb, ("vocab", None))
+        x = jnp.take(table, tokens, axis=0).astype(dt)
         x = with_logical_constraint(x, ("batch", "length", "act_embed"))
         sin, cos = rope_tables(positions, cfg)
 
