@@ -264,6 +264,23 @@ def broken_dir(hf_dirs, tmp_path):
     return make
 
 
+def test_tied_checkpoint_may_store_head_and_rope_buffers(hf_dirs, tmp_path):
+    """Tied exports sometimes keep lm_head.weight, old Llama exports keep inv_freq buffers."""
+    path, ref = hf_dirs["llama"]
+    sd = {k: v.detach().clone().contiguous() for k, v in ref.state_dict().items()}
+    assert "lm_head.weight" not in _saved_names(path)
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(12)
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    model, _ = load_hf_model(tmp_path)
+    tokens, positions, mask = _batch()
+    diff = _max_diff(
+        _our_logits(model, tokens, positions, mask), _torch_logits(ref, tokens, mask), mask
+    )
+    assert diff <= 1e-4, diff
+
+
 def test_missing_tensor(broken_dir):
     path = broken_dir(lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(
@@ -374,3 +391,18 @@ def test_sharded_load_on_fake_devices(hf_dirs):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("OK"), proc.stdout
+
+
+def test_export_rejects_params_that_do_not_fit_the_config(hf_dirs, tmp_path):
+    from flax import nnx
+
+    model, cfg = load_hf_model(hf_dirs["qwen3"][0])  # untied
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    head = params.pop("lm_head")
+    with pytest.raises(ValueError, match="lm_head.kernel"):
+        save_hf_model(params, cfg, tmp_path)
+    params["lm_head"] = head
+    params["layers"]["attn"]["q_bias"] = {"bias": np.zeros((2, 4, 24), np.float32)}
+    with pytest.raises(ValueError, match="layers.attn.q_bias.bias"):
+        save_hf_model(params, cfg, tmp_path)
+    assert not os.listdir(tmp_path)  # nothing half-written
