@@ -29,10 +29,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
 import struct
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +42,8 @@ import jax
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
+
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------
 # Name mapping
@@ -321,10 +325,25 @@ def load_hf_params(path: str | os.PathLike, specs: Mapping[str, ParamSpec]) -> d
     Returns {dotted path: jax.Array}. Raises ValueError (see `check_hf_tensors`).
     """
     out = {}
+    total = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in specs.values())
+    done, start, last_log = 0, time.perf_counter(), time.perf_counter()
     with HFCheckpoint(path) as ckpt:
         check_hf_tensors(ckpt, specs)
         for p, spec in specs.items():
             out[p] = _load_one(ckpt, _rule(p), spec)
+            done += math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
+            now = time.perf_counter()
+            if now - last_log > 10 and done < total:  # large models: a line every ~10 s
+                rate = done / (now - start)
+                log.info(
+                    "loading %s: %.0f%% (%.0f MB/s, ETA %.0fs)",
+                    ckpt.path,
+                    100 * done / total,
+                    rate / 1e6,
+                    (total - done) / rate,
+                )
+                last_log = now
+    log.info("loaded %.1f MB from %s in %.1fs", total / 1e6, path, time.perf_counter() - start)
     return out
 
 
@@ -619,7 +638,14 @@ def save_hf_model(
             e.read()
         return []
     os.makedirs(out_dir, exist_ok=True)
+    start = time.perf_counter()
     files = write_hf_tensors(entries, out_dir, max_shard_bytes=max_shard_bytes)
+    log.info(
+        "wrote %.1f MB to %s in %.1fs",
+        sum(e.nbytes for e in entries) / 1e6,
+        out_dir,
+        time.perf_counter() - start,
+    )
     for name, content in (("config.json", hf_cfg), ("generation_config.json", gen)):
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
             json.dump(content, f, indent=2)
