@@ -223,8 +223,10 @@ def param_shardings(
     mesh: Mesh,
     rules: Sequence[tuple[str, Any]] | None = None,
 ) -> nnx.State:
-    """A State of NamedShardings mirroring `nnx.state(model, nnx.Param)` (or the given state).
+    """NamedShardings for `nnx.state(model, nnx.Param)` (or the given state).
 
+    The result has the state's structure with each Variable replaced by its NamedSharding,
+    i.e. a pytree prefix of the state, which is what `jax.jit` in/out_shardings accept.
     Works on abstract models from `nnx.eval_shape` too. Variables without logical axes
     metadata are replicated.
     """

@@ -149,7 +149,8 @@ class ModelConfig:
         """Builds a config from a HF `config.json` (dict, file path, or model directory).
 
         `overrides` set fields HF does not describe (param_dtype, dtype, remat, scan_layers)
-        or replace read ones. Unsupported features raise ValueError naming the key.
+        or replace read ones; the checkpoint's own dtype is not used (param_dtype and dtype
+        default to float32). Unsupported features raise ValueError naming the key.
         """
         source = "config dict"
         if not isinstance(config, dict):
