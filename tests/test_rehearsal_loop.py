@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 
 from envace_jax.models.config import ModelConfig
-from envace_jax.sampling.chat_spec import later_user_turns, turn_spec
+from envace_jax.sampling.chat_spec import later_user_turns, observation_ids, turn_spec
 from envace_jax.sampling.distributions import SamplingParams
-from envace_jax.sampling.loop import Status
+from envace_jax.sampling.loop import Status, to_trajectories
 from envace_jax.sampling.sampler import Sampler
 from envace_jax.text.chat import messages_from_text, render
 from envace_jax.text.role_pieces import prompt_ids
@@ -196,13 +196,35 @@ def test_token_budget_truncates(tok):
     assert out.segments[0, :n].tolist() == refs[0].segments[:n].tolist()
 
 
-def test_host_mode_pauses_for_the_environment(tok):
-    """Host turns: the row pauses after the ACT message with calls; the real observation is
-    appended as CONTEXT and decoding resumes on the same cache."""
+def test_host_mode_round_trip_matches_the_real_environment_rendering(tok):
+    """Host turns: the row pauses after each ACT message with calls; the real observation is
+    appended as CONTEXT on top of the cache and decoding resumes. The result is the template's
+    rendering of the conversation with tool turns as CONTEXT."""
     conv = _conversation()
-    ref_real = encode_conversation(tok, conv, TOOLS, rehearse=False)
-    out, _, prompts = _run(tok, [conv], mode="host")
-    first_act_end = int(np.flatnonzero(ref_real.segments == 1)[-1]) + 1
-    assert out.status[0] == Status.AWAITING_ENV
-    assert out.lengths[0] == first_act_end
-    assert out.tokens[0, :first_act_end].tolist() == ref_real.ids[:first_act_end].tolist()
+    ref = encode_conversation(tok, conv, TOOLS, rehearse=False)
+    script = np.zeros((1, len(ref.ids) + 8), np.int32)
+    script[0, : len(ref.ids)] = ref.ids
+    spec = turn_spec(tok, mode="host", max_turns=8, max_message_tokens=200)
+    sampler = Sampler(ScriptedModel(script, len(tok)), spec, pad_id=tok.pad_token_id)
+    sampling = SamplingParams(temperature=1.0)
+    state = sampler.start(
+        [prompt_ids(tok, conv[:2], TOOLS)],
+        key=jax.random.key(0),
+        sampling=sampling,
+        max_new_tokens=400,
+    )
+    observations = [[conv[3]["content"]], [conv[5]["content"], conv[6]["content"]]]
+    pauses = []
+    for responses in observations:
+        assert int(state.status[0]) == Status.AWAITING_ENV
+        pauses.append(int(state.length[0]))
+        state = sampler.resume(state, [observation_ids(tok, responses)], sampling=sampling)
+    out = to_trajectories(state, tok.pad_token_id)
+    ids, roles, segments = _generated_part(ref)
+    assert out.status[0] == Status.FINISHED
+    assert out.tokens[0, : out.lengths[0]].tolist() == ids.tolist()
+    assert out.roles[0, : out.lengths[0]].tolist() == roles.tolist()
+    assert out.segments[0, : out.lengths[0]].tolist() == segments.tolist()
+    # It paused exactly at the end of the two ACT messages that called tools.
+    act_ends = [int(np.flatnonzero(ref.segments == s)[-1]) + 1 for s in (1, 2)]
+    assert pauses == act_ends

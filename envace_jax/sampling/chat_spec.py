@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from envace_jax.sampling.loop import TurnSpec
 from envace_jax.text.chat import encode
-from envace_jax.text.role_pieces import role_pieces
+from envace_jax.text.role_pieces import role_pieces, tool_responses_ids
 from envace_jax.text.tokenizer import special_ids
 
 
@@ -44,17 +44,12 @@ def user_turn_ids(tokenizer, text: str) -> list[int]:
 
 def observation_ids(tokenizer, responses: Sequence[str]) -> list[int]:
     """Host turns: the ids appended after an ACT message with tool calls — the tool-response turn
-    holding `responses` (real-environment output, CONTEXT) and the glue to the next ACT message."""
+    holding `responses` (real-environment output, CONTEXT) and the glue to the next ACT message.
+    The bodies are encoded as one text, so BPE merges inside the turn match the template's."""
     pieces = role_pieces(tokenizer)
-    body: list[int] = []
-    for i, text in enumerate(responses):
-        if i:
-            body += list(pieces.tool_response_sep)
-        body += encode(tokenizer, text)
     return (
         list(pieces.act_to_rehearse)
-        + body
-        + list(pieces.rehearse_end)
+        + tool_responses_ids(tokenizer, responses)
         + list(pieces.rehearse_to_act)
     )
 

@@ -69,16 +69,21 @@ class Sampler:
         *,
         key: jax.Array,
         sampling: SamplingParams,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         user_turns: Sequence[Sequence[Sequence[int]]] | None = None,
         max_len: int | None = None,
     ) -> loop.LoopState:
-        """Prefills `prompts` and decodes until every row stops or pauses."""
+        """Prefills `prompts` and decodes until every row stops or pauses.
+
+        max_new_tokens: the token budget on top of each prompt (one for all rows, or per row).
+        max_len: the buffer length (default: a bucket that fits the longest prompt + budget).
+        """
         if not prompts or min(len(p) for p in prompts) < 1:
             raise ValueError("Sampler.start: every prompt needs at least one token")
+        budget = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (len(prompts),))
         longest = max(len(p) for p in prompts)
         P = bucket(longest)
-        T = max_len or bucket(longest + max_new_tokens)
+        T = max_len or bucket(longest + int(budget.max()))
         if T < longest + 1:
             raise ValueError(f"max_len {T} leaves no room after a {longest}-token prompt")
         ut, ut_lens = self._user_turns(user_turns, len(prompts))
@@ -90,7 +95,7 @@ class Sampler:
             key=key,
             spec=self.spec,
             max_len=T,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=jnp.asarray(budget),
             user_turns=ut,
             user_turn_lens=ut_lens,
         )

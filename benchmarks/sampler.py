@@ -1,0 +1,256 @@
+"""Sampler speed, measured side by side in one run on the same tiny Qwen3 checkpoint.
+
+1. Plain greedy generation (batch 32, prompt 64, 128 new tokens): our compiled sampler versus
+   transformers' PyTorch `generate` on the same weights. Target: >= 3x tokens/s.
+2. World rehearsal: trajectories/s with role switching inside the compiled loop versus a host
+   loop that returns to Python at every role switch and re-prefills the whole history (what a
+   re-encode-every-turn rollout does). Both follow the same scripted demo conversations, forced
+   through the real model's logits, so they decode identical tokens. Target: >= 2x.
+
+    python benchmarks/sampler.py [--batch 32] [--repeats 3]
+
+Prints a table and the ratios; compile time is excluded (one warm-up call each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from envace_jax.models.hf_io import load_hf_model
+from envace_jax.sampling.chat_spec import turn_spec
+from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.sampling.loop import Status
+from envace_jax.sampling.sampler import Sampler
+from envace_jax.text.tokenizer import load_tokenizer
+from envace_jax.text.trajectory import encode_conversation
+
+
+def make_checkpoint(out_dir: str, vocab: int) -> None:
+    """A tiny random Qwen3 saved by transformers (the 'checkpoint' both sides load)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    Qwen3ForCausalLM(cfg).eval().save_pretrained(out_dir)
+
+
+def best_of(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def bench_generate(ckpt, model, batch, prompt_len, new_tokens, repeats):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rng = np.random.default_rng(0)
+    vocab = model.cfg.vocab_size
+    prompts = rng.integers(20, vocab, size=(batch, prompt_len))
+    # No stop id can end rows early: both sides decode exactly new_tokens per row.
+    spec = turn_spec(load_tokenizer("demo"), mode="generate", max_message_tokens=10**6)
+    spec = type(spec)(end_id=-1, tool_call_id=-1, mode="generate", max_message_tokens=10**6)
+    sampler = Sampler(model, spec, pad_id=0)
+    greedy = SamplingParams(greedy=True)
+
+    def ours():
+        out = sampler.start(
+            prompts.tolist(), key=jax.random.key(0), sampling=greedy, max_new_tokens=new_tokens
+        )
+        jax.block_until_ready(out.tokens)
+        return out
+
+    state = ours()  # compile
+    t_ours = best_of(ours, repeats)
+    ours_tokens = np.asarray(state.tokens)[:, prompt_len : prompt_len + new_tokens]
+
+    hf = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    ids = torch.as_tensor(prompts)
+
+    def theirs():
+        with torch.no_grad():
+            return hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+    out = theirs()  # warm-up
+    t_hf = best_of(theirs, repeats)
+    agree = float((out[:, prompt_len:].numpy() == ours_tokens).mean())
+    n = batch * new_tokens
+    return n / t_ours, n / t_hf, agree
+
+
+class ForcedModel(nnx.Module):
+    """The real decoder's forward (full cost), then the script's next token made certain."""
+
+    def __init__(self, model, script):
+        self.inner = model
+        self.cfg = model.cfg
+        self.script = nnx.Variable(jnp.asarray(script, jnp.int32))
+
+    def __call__(self, tokens, positions, *, attention_mask=None, cache=None):
+        logits, cache = self.inner(tokens, positions, attention_mask=attention_mask, cache=cache)
+        script = self.script[...]
+        nxt = jnp.take_along_axis(script, jnp.minimum(positions + 1, script.shape[1] - 1), 1)
+        return logits + jax.nn.one_hot(nxt, logits.shape[-1]) * 1e4, cache
+
+
+def demo_conversations(tok, n):
+    from envace_jax.envs.demo import generate_tasks, oracle_messages
+
+    tasks = generate_tasks(0, n, split="train")
+    return [(oracle_messages(t), t.tools) for t in tasks]
+
+
+def bench_rehearsal(model, batch, repeats):
+    tok = load_tokenizer("demo")
+    convs = demo_conversations(tok, batch)
+    refs = [encode_conversation(tok, m, tools) for m, tools in convs]
+    n_prompt = [int(np.flatnonzero(r.roles)[0]) for r in refs]  # prompt = up to first ACT token
+    width = max(len(r.ids) for r in refs) + 8
+    script = np.zeros((batch, width), np.int32)
+    for b, r in enumerate(refs):
+        script[b, : len(r.ids)] = r.ids
+    forced = ForcedModel(model, script)
+    greedy = SamplingParams(greedy=True)
+    T = 1 << int(np.ceil(np.log2(width + 1)))
+    in_loop = Sampler(forced, turn_spec(tok, mode="rehearse", max_turns=16), pad_id=0)
+    prompts = [r.ids[:n].tolist() for r, n in zip(refs, n_prompt, strict=True)]
+
+    def ours():
+        state = in_loop.start(
+            prompts, key=jax.random.key(0), sampling=greedy, max_new_tokens=T, max_len=T
+        )
+        jax.block_until_ready(state.tokens)
+        return state
+
+    state = ours()
+    t_ours = best_of(ours, repeats)
+    lengths = np.asarray(state.length)
+    assert (np.asarray(state.status) == Status.FINISHED).all(), np.asarray(state.status)
+
+    # Host loop: every message is its own generate call; glue is appended on the host and the
+    # whole history is prefilled again for the next message.
+    per_message = Sampler(forced, turn_spec(tok, mode="generate", max_turns=16), pad_id=0)
+    boundaries = [_message_bounds(r) for r in refs]
+
+    def host_loop():
+        histories = [list(p) for p in prompts]
+        step = 0
+        while True:
+            rows = [b for b in range(batch) if step < len(boundaries[b])]
+            if not rows:
+                break
+            # Rows whose conversation is over ride along with a 1-token budget.
+            budgets = [T if step < len(boundaries[b]) else 1 for b in range(batch)]
+            state = per_message.start(
+                histories,
+                key=jax.random.key(step),
+                sampling=greedy,
+                max_new_tokens=budgets,
+                max_len=T,
+            )
+            toks, lens = np.asarray(state.tokens), np.asarray(state.length)
+            for b in range(batch):
+                if step < len(boundaries[b]):
+                    start, end, glue_end = boundaries[b][step]
+                    assert lens[b] == end, (b, step, lens[b], end)
+                    histories[b] = toks[b, :end].tolist() + refs[b].ids[end:glue_end].tolist()
+            step += 1
+        return histories
+
+    host_loop()
+    t_host = best_of(host_loop, repeats)
+    return batch / t_ours, batch / t_host, int(lengths.mean()), sum(map(len, boundaries)) / batch
+
+
+def _message_bounds(ref):
+    """(start, end, end of the glue after it) of each generated message of a reference."""
+    out = []
+    segs = ref.segments
+    for s in range(1, int(segs.max()) + 1):
+        idx = np.flatnonzero(segs == s)
+        nxt = np.flatnonzero(segs > s)
+        glue_end = int(nxt[0]) if len(nxt) else int(idx[-1]) + 1
+        out.append((int(idx[0]), int(idx[-1]) + 1, glue_end))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="also write the figures to this JSON file")
+    args = ap.parse_args()
+
+    tok = load_tokenizer("demo")
+    with tempfile.TemporaryDirectory() as ckpt:
+        make_checkpoint(ckpt, len(tok))
+        model, cfg = load_hf_model(ckpt)
+        print(f"tiny Qwen3: {cfg.num_params / 1e6:.2f}M params, backend {jax.default_backend()}")
+        ours, hf, agree = bench_generate(
+            ckpt, model, args.batch, args.prompt, args.new_tokens, args.repeats
+        )
+    traj_ours, traj_host, mean_len, messages = bench_rehearsal(model, args.batch, args.repeats)
+    rows = [
+        ("greedy generate, tokens/s (ours)", ours),
+        ("greedy generate, tokens/s (transformers)", hf),
+        ("  ratio (target >= 3x)", ours / hf),
+        ("  greedy tokens identical", agree),
+        ("world rehearsal, trajectories/s (in-loop switching)", traj_ours),
+        ("world rehearsal, trajectories/s (host loop + re-prefill)", traj_host),
+        ("  ratio (target >= 2x)", traj_ours / traj_host),
+        ("  mean trajectory tokens / generated messages", f"{mean_len} / {messages:.1f}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        shown = f"{value:,.2f}" if isinstance(value, float) else str(value)
+        print(f"{name:<{width}}  {shown}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "generate_tokens_per_s": ours,
+                    "hf_tokens_per_s": hf,
+                    "generate_ratio": ours / hf,
+                    "rehearsal_traj_per_s": traj_ours,
+                    "host_loop_traj_per_s": traj_host,
+                    "rehearsal_ratio": traj_ours / traj_host,
+                },
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
