@@ -1,0 +1,75 @@
+"""The job entry point as a user runs it: config variants, overrides, validation errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from envace_jax.configuration import _RULES, ConfigError, _flatten, base_config, validate
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _main(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "envace_jax.main", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_every_knob_has_a_value_rule():
+    assert set(_flatten(base_config())) == set(_RULES)
+
+
+@pytest.mark.parametrize(
+    "path,value,needle",
+    [
+        ("seed", -1, "config.seed = -1"),
+        ("model.remat", "sometimes", "config.model.remat"),
+        ("mesh.data", 0, "config.mesh.data"),
+    ],
+)
+def test_bad_values_name_the_key(path, value, needle):
+    config = base_config()
+    section, _, key = path.rpartition(".")
+    (config[section] if section else config)[key] = value
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        validate(config)
+
+
+def test_unknown_key_is_named():
+    config = base_config()
+    config.model.unlock()
+    config.model.presett = "x"
+    with pytest.raises(ConfigError, match="model.presett"):
+        validate(config)
+
+
+def test_smoke_run_writes_config_and_export(tmp_path):
+    workdir = tmp_path / "work"
+    cfg = os.path.join(REPO, "configs", "demo.py")
+    r = _main(f"--config={cfg}:smoke", f"--workdir={workdir}", "--config.seed=3", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    saved = json.loads((workdir / "config.json").read_text())
+    assert saved["seed"] == 3
+    assert (workdir / "export" / "config.json").exists()
+
+
+def test_cli_override_of_unknown_key_fails_naming_it(tmp_path):
+    cfg = os.path.join(REPO, "configs", "demo.py")
+    r = _main(f"--config={cfg}", f"--workdir={tmp_path}", "--config.modle.preset=x", cwd=tmp_path)
+    assert r.returncode != 0
+    assert "modle" in r.stderr
+
+
+def test_cli_bad_value_fails_before_building_anything(tmp_path):
+    cfg = os.path.join(REPO, "configs", "demo.py")
+    r = _main(f"--config={cfg}", f"--workdir={tmp_path}", "--config.mesh.tensor=0", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "config.mesh.tensor = 0" in r.stderr
+    assert not (tmp_path / "export").exists()
