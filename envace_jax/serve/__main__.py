@@ -1,0 +1,168 @@
+"""`python -m envace_jax.serve --model DIR`: serve an HF model directory over OpenAI's API.
+
+The directory is what `models.hf_io.save_hf_model` writes (config.json, safetensors, and the
+tokenizer files with a Qwen3-layout chat template). The server binds 127.0.0.1 unless told
+otherwise; `--port 0` picks a free port, and `--port-file F` writes the bound port to F once the
+server accepts requests. SIGINT / SIGTERM shut down gracefully: no new connections, running
+requests finish (up to `--graceful-timeout` seconds), then the engine stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+log = logging.getLogger("envace_jax.serve")
+
+
+def build_server(
+    model_dir: str,
+    *,
+    tokenizer_dir: str | None = None,
+    served_model_name: str | None = None,
+    max_model_len: int | None = None,
+    max_batch: int = 32,
+    chunk_steps: int = 16,
+    batch_wait_ms: float = 5.0,
+    seed: int = 0,
+    default_max_tokens: int | None = None,
+    api_key: str | None = None,
+    max_request_bytes: int = 4 * 2**20,
+    param_dtype: str | None = None,
+):
+    """Loads the model and tokenizer and returns (asgi app, ServerConfig)."""
+    from envace_jax.models.hf_io import load_hf_model
+    from envace_jax.sampling.chat_spec import turn_spec
+    from envace_jax.serve.app import ServerConfig, create_app
+    from envace_jax.serve.batcher import Engine
+    from envace_jax.text.tokenizer import load_tokenizer, special_ids
+
+    overrides = {"param_dtype": param_dtype} if param_dtype else {}
+    model, cfg = load_hf_model(model_dir, **overrides)
+    tokenizer = load_tokenizer(tokenizer_dir or model_dir)
+    if len(tokenizer) > cfg.vocab_size:
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} ids but the model's vocab_size is {cfg.vocab_size}"
+        )
+    limit = max_model_len or cfg.max_position_embeddings
+    # One spec serves both endpoints: a row stops at <|im_end|> (or <|endoftext|>).
+    spec = turn_spec(tokenizer, mode="generate", max_message_tokens=1 << 30)
+    pad = tokenizer.pad_token_id
+    engine = Engine(
+        model,
+        spec,
+        pad_id=special_ids(tokenizer).endoftext if pad is None else pad,
+        max_batch=max_batch,
+        chunk_steps=chunk_steps,
+        wait_s=batch_wait_ms / 1000,
+        seed=seed,
+    )
+    path = os.path.normpath(model_dir)
+    name = served_model_name or os.path.basename(path)
+    config = ServerConfig(
+        model_name=name,
+        max_model_len=limit,
+        aliases=tuple({model_dir, path, os.path.abspath(path)} - {name}),
+        default_max_tokens=default_max_tokens,
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
+    )
+    return create_app(engine, tokenizer, config), config
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m envace_jax.serve", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--model", required=True, help="HF model directory (config, safetensors, tokenizer)"
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    p.add_argument("--served-model-name", default=None, help="model id (default: directory name)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one")
+    p.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion limit")
+    p.add_argument("--max-batch", type=int, default=32, help="most rows decoded together")
+    p.add_argument(
+        "--chunk-steps", type=int, default=16, help="tokens decoded per look at the queue"
+    )
+    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="batching window when idle")
+    p.add_argument("--default-max-tokens", type=int, default=None, help="chat budget if unset")
+    p.add_argument("--seed", type=int, default=0, help="sampling PRNG seed")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("ENVACE_API_KEY"),
+        help="require Authorization: Bearer KEY (default: $ENVACE_API_KEY; none: open)",
+    )
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="body size limit")
+    p.add_argument("--param-dtype", default=None, choices=("float32", "bfloat16"))
+    p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds to drain on exit")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import uvicorn
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    app, config = build_server(
+        args.model,
+        tokenizer_dir=args.tokenizer,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        max_batch=args.max_batch,
+        chunk_steps=args.chunk_steps,
+        batch_wait_ms=args.batch_wait_ms,
+        seed=args.seed,
+        default_max_tokens=args.default_max_tokens,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        param_dtype=args.param_dtype,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.graceful_timeout,
+        )
+    )
+
+    async def serve():
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            port = server.servers[0].sockets[0].getsockname()[1]
+            log.info(
+                "serving %r (max_model_len %d) at http://%s:%d/v1",
+                config.model_name,
+                config.max_model_len,
+                args.host,
+                port,
+            )
+            if args.port_file:
+                tmp = args.port_file + ".tmp"
+                with open(tmp, "w") as f:
+                    f.write(str(port))
+                os.replace(tmp, args.port_file)  # readers never see a partial file
+        await task
+
+    # uvicorn re-raises the signal that stopped it once it has shut down; with these no-op
+    # handlers in place beforehand, a graceful shutdown ends the process with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    asyncio.run(serve())
+    log.info("shut down")
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

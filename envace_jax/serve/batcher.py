@@ -1,0 +1,410 @@
+"""Continuous batching over the compiled decode loop (`sampling.loop`).
+
+One engine thread owns the device state. Requests arrive from any thread as `Sequence`s (one
+generated row each); the engine keeps one running batch of B rows, a bucket from `row_buckets`
+(e.g. 1, 4, 16, 32), with a buffer of T tokens (a power of two), and alternates:
+
+1. admit: waiting sequences are prefilled into free rows of the running batch (a row is free
+   once its sequence stopped or was cancelled). A sequence is admitted only if it has the batch's
+   sampling parameters (a static argument of the compiled loop) and fits its buffer; the first
+   one that does not blocks the ones behind it, so the batch drains and the next batch is
+   formed around it (first come, first served; no request waits behind an endless stream).
+2. decode `chunk_steps` tokens for every row (`loop.decode` with a step limit);
+3. emit every row's new tokens to its sequence's callback, and free stopped rows.
+
+When nothing runs, the first waiting request opens a short window (`wait_s`) for others to
+arrive, so concurrent requests start in one batch. Batch sizes, prompt widths and buffer lengths
+are all bucketed, so a server compiles a handful of programs, not one per request count.
+
+The engine never blocks on a client: callbacks only enqueue (the HTTP layer buffers per
+request), so a slow reader delays nobody. An error while decoding fails the sequences of the
+batch concerned (their callbacks get a `Done` with `error` set); the engine goes on serving.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from envace_jax.sampling import loop
+from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.sampling.sampler import bucket, pad_rows
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ROW_BUCKETS = (1, 4, 16, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """New tokens of one sequence (the terminal stop token is never included)."""
+
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """A sequence ended. finish_reason: 'stop' (stop or eos token), 'length' (token budget),
+    'cancelled', or 'error' (then `error` says why). num_generated counts the stop token."""
+
+    finish_reason: str
+    num_generated: int
+    error: str | None = None
+
+
+Event = Tokens | Done
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One row to generate: prompt ids, a budget of new tokens, sampling, and a callback that
+    receives `Tokens` and finally one `Done` (called on the engine thread: it must not block)."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams
+    on_event: Callable[[Event], None]
+    cancelled: bool = False
+    arrived: float = dataclasses.field(default_factory=time.monotonic)
+    # Engine bookkeeping.
+    slot: int = -1
+    emitted: int = 0  # tokens of this row already handed out (prompt excluded)
+    done: bool = False
+
+    @property
+    def need(self) -> int:
+        """Buffer length the row needs: prompt plus budget."""
+        return len(self.prompt) + self.max_new_tokens
+
+
+@dataclasses.dataclass
+class _Batch:
+    state: loop.LoopState
+    sampling: SamplingParams
+    rows: list[Sequence | None]  # slot -> sequence
+    prompt_len: np.ndarray  # int [B]
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def max_len(self) -> int:
+        return int(self.state.tokens.shape[1])
+
+
+def _insert(big: loop.LoopState, small: loop.LoopState, slots: jax.Array) -> loop.LoopState:
+    """Writes the rows of `small` [b, ...] into rows `slots` [b] of `big` [B, ...].
+
+    Slots >= B are dropped (padding rows). The step counter and PRNG key stay the batch's.
+    """
+    updates = {}
+    for field in dataclasses.fields(loop.LoopState):
+        name = field.name
+        if name in ("key", "step"):
+            continue
+        a, b = getattr(big, name), getattr(small, name)
+        if name == "cache":  # k, v [L, B, S, K, D]: batch is axis 1
+            updates[name] = a.replace(
+                k=a.k.at[:, slots].set(b.k, mode="drop"),
+                v=a.v.at[:, slots].set(b.v, mode="drop"),
+            )
+        else:
+            updates[name] = a.at[slots].set(b.astype(a.dtype), mode="drop")
+    return big.replace(**updates)
+
+
+def _window(tokens: jax.Array, logprobs: jax.Array, start: jax.Array, width: int):
+    """tokens / logprobs [B, T] -> the `width` entries of each row from start [B]: [B, width]."""
+    T = tokens.shape[1]
+    idx = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None], T - 1)
+    return (
+        jnp.take_along_axis(tokens, idx, axis=1),
+        jnp.take_along_axis(logprobs, idx, axis=1),
+    )
+
+
+def _cancel_rows(state: loop.LoopState, rows: jax.Array) -> loop.LoopState:
+    """Stops rows (bool [B]) that are still running; their slots can then be reused."""
+    running = state.status == loop.Status.RUNNING
+    status = jnp.where(rows & running, loop.Status.FINISHED, state.status)
+    return state.replace(status=status.astype(state.status.dtype))
+
+
+class Engine:
+    """Dynamic batching of generation requests over one model (see the module docstring).
+
+    spec: the `loop.TurnSpec` every row decodes under (mode 'generate': a row stops at
+      `spec.end_id`, or INVALID at an abort id, both reported as finish_reason 'stop').
+    max_batch: the most rows decoded together; row_buckets: batch sizes compiled (capped by
+      max_batch, which is always one). chunk_steps: tokens decoded between two looks at the
+      queue (latency of admission and of streamed tokens versus host overhead).
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        spec: loop.TurnSpec,
+        *,
+        pad_id: int,
+        max_batch: int = 32,
+        row_buckets: Seq[int] = DEFAULT_ROW_BUCKETS,
+        chunk_steps: int = 16,
+        wait_s: float = 0.005,
+        seed: int = 0,
+    ):
+        if spec.mode != "generate":
+            raise ValueError(f"Engine needs a TurnSpec in mode 'generate', got {spec.mode!r}")
+        if max_batch < 1 or chunk_steps < 1:
+            raise ValueError("Engine: max_batch and chunk_steps must be >= 1")
+        self.graphdef, self.params = nnx.split(model)
+        self.spec = spec
+        self.pad_id = int(pad_id)
+        self.max_batch = int(max_batch)
+        self.row_buckets = tuple(sorted({b for b in row_buckets if b < max_batch} | {max_batch}))
+        self.chunk_steps = int(chunk_steps)
+        self.wait_s = float(wait_s)
+        self._key = jax.random.key(seed)
+        self._init = jax.jit(
+            loop.init_state, static_argnums=(0,), static_argnames=("spec", "max_len")
+        )
+        self._decode = jax.jit(
+            loop.decode,
+            static_argnums=(0,),
+            static_argnames=("spec", "sampling"),
+            donate_argnums=(2,),
+        )
+        self._insert = jax.jit(_insert, donate_argnums=(0,))
+        self._window = jax.jit(_window, static_argnames=("width",))
+        self._cancel = jax.jit(_cancel_rows, donate_argnums=(0,))
+        self._pending: collections.deque[Sequence] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._batch: _Batch | None = None
+        self._joining: list[Sequence] = []  # popped from the queue, not yet in a batch
+        self.stats = collections.Counter()  # batches, admitted, steps, chunks, errors
+
+    # ------------------------------------------------------------------ public API
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="envace-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stops the engine thread; sequences still waiting or running end as 'cancelled'."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        with self._cv:
+            leftover = list(self._pending)
+            self._pending.clear()
+        if self._batch is not None:
+            leftover += [s for s in self._batch.rows if s is not None]
+            self._batch = None
+        for seq in leftover:
+            self._finish(seq, "cancelled")
+
+    def submit(self, seq: Sequence) -> Sequence:
+        """Queues a sequence (thread-safe). Its budget must be >= 1 token."""
+        if seq.max_new_tokens < 1 or not seq.prompt:
+            raise ValueError("Engine.submit: needs a non-empty prompt and max_new_tokens >= 1")
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            self._pending.append(seq)
+            self._cv.notify_all()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Asks to stop a sequence (thread-safe); it then ends with finish_reason 'cancelled'."""
+        seq.cancelled = True
+        with self._cv:
+            self._cv.notify_all()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if self._stopping:
+                    return
+                if self._batch is None:
+                    self._drop_cancelled_pending()
+                    if not self._pending:
+                        self._cv.wait(0.5)
+                        continue
+            try:
+                if self._batch is None:
+                    time.sleep(self.wait_s)  # the batching window
+                    self._open_batch()
+                else:
+                    self._admit()
+                if self._batch is not None:
+                    self._step()
+            except Exception as e:  # never let one bad batch kill the server
+                log.exception("engine error; failing the current batch")
+                self.stats["errors"] += 1
+                batch, self._batch = self._batch, None
+                failed = [s for s in (batch.rows if batch else []) if s is not None]
+                failed += self._joining
+                for seq in failed:
+                    self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+            finally:
+                self._joining = []
+
+    def _drop_cancelled_pending(self) -> None:
+        for seq in [s for s in self._pending if s.cancelled]:
+            self._pending.remove(seq)
+            self._finish(seq, "cancelled")
+
+    def _take_compatible(self, sampling, max_len, limit) -> list[Sequence]:
+        """Pops waiting sequences in arrival order while they fit (see the module docstring)."""
+        taken = []
+        with self._cv:
+            self._drop_cancelled_pending()
+            while self._pending and len(taken) < limit:
+                seq = self._pending[0]
+                if seq.sampling != sampling or (max_len is not None and seq.need > max_len):
+                    break
+                taken.append(self._pending.popleft())
+        return taken
+
+    def _rows_bucket(self, n: int) -> int:
+        return next(b for b in self.row_buckets if b >= n)
+
+    def _prefill(self, seqs: list[Sequence], rows: int, max_len: int) -> loop.LoopState:
+        """A fresh state of `rows` rows (sequences first, then empty padding rows)."""
+        prompts = [list(s.prompt) for s in seqs] + [[self.pad_id]] * (rows - len(seqs))
+        budgets = [s.max_new_tokens for s in seqs] + [0] * (rows - len(seqs))
+        width = bucket(max(len(p) for p in prompts))
+        self._key, key = jax.random.split(self._key)
+        return self._init(
+            self.graphdef,
+            self.params,
+            jnp.asarray(pad_rows(prompts, width, self.pad_id)),
+            jnp.asarray([len(p) for p in prompts], jnp.int32),
+            key=key,
+            spec=self.spec,
+            max_len=max_len,
+            max_new_tokens=jnp.asarray(budgets, jnp.int32),
+        )
+
+    def _open_batch(self) -> None:
+        with self._cv:
+            self._drop_cancelled_pending()
+            if not self._pending:
+                return
+            head = self._pending[0]
+            # The head's sampling decides; later arrivals with the same sampling join it.
+            group = [s for s in self._pending if s.sampling == head.sampling][: self.max_batch]
+            for s in group:
+                self._pending.remove(s)
+            self._joining = group
+        rows = self._rows_bucket(len(group))
+        max_len = bucket(max(s.need for s in group))
+        state = self._prefill(group, rows, max_len)
+        batch = _Batch(state, head.sampling, [None] * rows, np.zeros(rows, np.int64))
+        for i, seq in enumerate(group):
+            self._place(batch, seq, i)
+        self._batch = batch
+        self.stats["batches"] += 1
+
+    def _place(self, batch: _Batch, seq: Sequence, slot: int) -> None:
+        seq.slot, seq.emitted = slot, 0
+        batch.rows[slot] = seq
+        batch.prompt_len[slot] = len(seq.prompt)
+        self.stats["admitted"] += 1
+
+    def _admit(self) -> None:
+        batch = self._batch
+        free = [i for i, s in enumerate(batch.rows) if s is None]
+        if not free:
+            return
+        seqs = self._take_compatible(batch.sampling, batch.max_len, len(free))
+        if not seqs:
+            return
+        self._joining = seqs
+        small = self._prefill(seqs, self._rows_bucket(len(seqs)), batch.max_len)
+        slots = np.full(small.tokens.shape[0], batch.size, np.int32)  # padding rows: dropped
+        slots[: len(seqs)] = free[: len(seqs)]
+        batch.state = self._insert(batch.state, small, jnp.asarray(slots))
+        for seq, slot in zip(seqs, free, strict=False):
+            self._place(batch, seq, slot)
+
+    def _step(self) -> None:
+        batch = self._batch
+        cancel = np.array([s is not None and s.cancelled for s in batch.rows])
+        if cancel.any():
+            batch.state = self._cancel(batch.state, jnp.asarray(cancel))
+        batch.state = self._decode(
+            self.graphdef,
+            self.params,
+            batch.state,
+            spec=self.spec,
+            sampling=batch.sampling,
+            max_steps=self.chunk_steps,
+        )
+        self.stats["chunks"] += 1
+        emitted = np.array([s.emitted if s is not None else 0 for s in batch.rows], np.int32)
+        start = jnp.asarray(batch.prompt_len.astype(np.int32) + emitted)
+        toks, lps = self._window(
+            batch.state.tokens, batch.state.logprobs, start, width=self.chunk_steps
+        )
+        length = np.asarray(batch.state.length)
+        status = np.asarray(batch.state.status)
+        toks, lps = np.asarray(toks), np.asarray(lps)
+        for slot, seq in enumerate(batch.rows):
+            if seq is None:
+                continue
+            n = int(length[slot] - batch.prompt_len[slot]) - seq.emitted
+            st = int(status[slot])
+            stopped = st not in (loop.Status.RUNNING,)
+            ids, logp = toks[slot, :n].tolist(), lps[slot, :n].tolist()
+            total = seq.emitted + n
+            if seq.cancelled:
+                reason = "cancelled"
+            elif st in (loop.Status.FINISHED, loop.Status.INVALID):
+                reason = "stop"
+                ids, logp = ids[:-1], logp[:-1]  # the stop token itself is not text
+            elif st == loop.Status.TRUNCATED:
+                reason = "length"
+            else:
+                reason = None
+            seq.emitted += n
+            if ids and not seq.cancelled:
+                seq.on_event(Tokens(tuple(ids), tuple(logp)))
+            if stopped or seq.cancelled:
+                batch.rows[slot] = None
+                self._finish(seq, reason or "stop", num_generated=total)
+        if all(s is None for s in batch.rows):
+            self._batch = None
+
+    def _finish(self, seq: Sequence, reason: str, num_generated=None, error=None) -> None:
+        if seq.done:
+            return
+        seq.done = True
+        self.stats[f"finished_{reason}"] += 1
+        n = seq.emitted if num_generated is None else num_generated
+        try:
+            seq.on_event(Done(reason, n, error))
+        except Exception:  # a callback must not take the engine down
+            log.exception("sequence callback failed")
