@@ -11,6 +11,14 @@ For a message m of role r in row i (group g): score_m = R_i - empty_penalty * [m
 baseline[g, r] = mean of score over the messages of role r in group g (a trajectory with more
 messages weighs more), and A_m = score_m - baseline[g, r] (divided by the (g, r) std plus eps
 when norm_adv_by_std). Every token of m gets A_m; context tokens get 0.
+
+Departures from the reference, on purpose:
+- "Empty" output: the reference penalises a row whose decoded text is empty (only special
+  tokens). Here a message is empty when it has at most `empty_max_tokens` tokens (default 1:
+  the stop token alone), which needs no detokenisation inside the step.
+- Padding: the reference pads its row count to a device multiple by duplicating random rows
+  before computing baselines, so duplicates shift the means. Padding rows here carry no
+  messages and change nothing.
 """
 
 from __future__ import annotations

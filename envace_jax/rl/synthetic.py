@@ -124,3 +124,33 @@ def multi_turn_batch(
         group=np.arange(batch_size) // group_size,
         reward=rng.random(batch_size),
     )
+
+
+def message_rows(batch: TrajectoryBatch) -> TrajectoryBatch:
+    """The one-row-per-message layout of the reference: each generated message becomes a row
+    holding its prefix (as context) and itself (its only segment), right-padded to T.
+
+    Rows keep their trajectory's group and reward, so baselines and the message-mean loss are
+    unchanged; only the tokens the model must process grow (quadratically in turns).
+    """
+    tokens, roles = np.asarray(batch.tokens), np.asarray(batch.roles)
+    segs, logprobs = np.asarray(batch.segments), np.asarray(batch.logprobs)
+    out = {
+        k: []
+        for k in ("tokens", "roles", "segments", "logprobs", "lengths", "group", "reward", "status")
+    }
+    t = tokens.shape[1]
+    for i in range(tokens.shape[0]):
+        for s in sorted(set(segs[i][segs[i] > 0].tolist())):
+            pos = np.nonzero(segs[i] == s)[0]
+            end = pos[-1] + 1
+            mine = np.zeros(t, bool)
+            mine[pos] = True
+            out["tokens"].append(np.where(np.arange(t) < end, tokens[i], 0))
+            out["roles"].append(np.where(mine, roles[i], 0))
+            out["segments"].append(mine.astype(np.int32))
+            out["logprobs"].append(np.where(mine, logprobs[i], 0.0))
+            out["lengths"].append(end)
+            for k in ("group", "reward", "status"):
+                out[k].append(np.asarray(getattr(batch, k))[i])
+    return from_numpy(**{k: np.stack(v) for k, v in out.items()})

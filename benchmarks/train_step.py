@@ -1,0 +1,168 @@
+"""Packed-trajectory GRPO step vs the one-row-per-message formulation, measured in one run.
+
+Both formulations go through the same jitted GRPO step with the same optimizer and train the
+same objective (same advantages, message-mean loss); the script prints their losses side by
+side as a check. The row formulation re-encodes every message's prefix, so the tokens the
+model must process grow quadratically with the number of turns.
+
+MFU = the step's model FLOPs (counted analytically: projections, full T x T attention as
+computed, LM head; backward = 2 x forward) per second, over this machine's measured float32
+matmul throughput. (XLA's cost analysis counts a scanned layer once, so it is not used.)
+
+  python benchmarks/train_step.py                 # demo-size policy, 4-turn trajectories
+  python benchmarks/train_step.py --turns 8 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from envace_jax.models.config import ModelConfig, get_preset
+from envace_jax.models.decoder import Decoder
+from envace_jax.rl import steps, synthetic
+from envace_jax.rl.batch import TrajectoryBatch, pad, validate
+from envace_jax.rl.config import GRPOConfig
+from envace_jax.rl.optim import OptimConfig, make_optimizer
+
+
+def forward_flops(cfg: ModelConfig, rows: int, length: int) -> float:
+    """Matmul FLOPs of one forward pass over [rows, length] tokens."""
+    e, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    hd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_token = cfg.num_layers * 2 * (e * (hd + 2 * kd) + hd * e + 3 * e * f) + 2 * e * v
+    attention = cfg.num_layers * 2 * 2 * length * length * hd  # QK^T and PV, per row
+    return rows * (length * per_token + attention)
+
+
+def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
+    """Best observed float32 matmul FLOP/s on the default device."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    mm = jax.jit(lambda x, y: x @ y)
+    mm(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="demo-qwen3")
+    ap.add_argument("--trajectories", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=256, help="system + tools + user tokens")
+    ap.add_argument("--act-len", type=int, default=40)
+    ap.add_argument("--rehearse-len", type=int, default=48)
+    ap.add_argument("--glue-len", type=int, default=8, help="chat-template tokens per switch")
+    ap.add_argument("--micro-rows", type=int, default=8, help="rows per micro-batch at most")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    mcfg = get_preset(args.preset)
+    model = Decoder(mcfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    packed = synthetic.multi_turn_batch(
+        rng,
+        batch_size=args.trajectories,
+        group_size=args.group_size,
+        turns=args.turns,
+        prompt_len=args.prompt_len,
+        act_len=args.act_len,
+        rehearse_len=args.rehearse_len,
+        glue_len=args.glue_len,
+        vocab_size=mcfg.vocab_size,
+    )
+    rows = synthetic.message_rows(packed)
+    # Static shapes padded to a multiple of 128, as the trainer's buckets would.
+    packed = pad(packed, seq_len=round_up(packed.shape[1], 128))
+    rows = pad(rows, seq_len=packed.shape[1])
+    validate(packed)
+    validate(rows)
+
+    tx = make_optimizer(OptimConfig())
+    params = nnx.state(model, nnx.Param)
+    batches: dict[str, TrajectoryBatch] = {"packed": packed, "rows": rows}
+    # Both accumulate over micro-batches of at most --micro-rows rows, so they run at the same
+    # peak activation memory (the row batch would not fit at once).
+    micro = {}
+    for name, batch in batches.items():
+        micro[name] = next(
+            n
+            for n in range(-(-batch.shape[0] // args.micro_rows), batch.shape[0] + 1)
+            if batch.shape[0] % n == 0
+        )
+    step = {n: steps.make_grpo_step(model, tx, GRPOConfig(micro_batches=micro[n])) for n in batches}
+    states: dict[str, steps.TrainState] = {}
+    first: dict[str, dict] = {}
+    for name, batch in batches.items():  # compile and warm up
+        states[name] = steps.init_train_state(params, tx)
+        states[name], m = step[name](states[name], batch)
+        first[name] = {k: float(v) for k, v in m.items()}
+    times = {name: [] for name in batches}
+    for _ in range(args.repeats):  # interleaved, so background load hits both alike
+        for name, batch in batches.items():
+            t0 = time.perf_counter()
+            states[name], m = step[name](states[name], batch)
+            jax.block_until_ready(m)
+            times[name].append(time.perf_counter() - t0)
+    peak = matmul_peak()
+
+    print(
+        f"policy {args.preset}: {mcfg.num_params / 1e6:.2f}M params; {args.trajectories} "
+        f"trajectories of {args.turns} turns ({args.turns * 2 + 1} generated messages each)"
+    )
+    print(f"matmul peak (float32, {jax.devices()[0].platform}): {peak / 1e9:.1f} GFLOP/s")
+    cols = (
+        "rows x T",
+        "micro",
+        "real tok",
+        "padded tok",
+        "step s",
+        "GFLOP",
+        "MFU",
+        "loss",
+        "grad norm",
+    )
+    print(f"{'':>8}" + "".join(f"{c:>12}" for c in cols))
+    for name, batch in batches.items():
+        b, t = batch.shape
+        sec = statistics.median(times[name])
+        flops = 3 * forward_flops(mcfg, b, t)  # forward + backward (2x)
+        values = (
+            f"{b} x {t}",
+            micro[name],
+            int(np.asarray(batch.lengths).sum()),
+            b * t,
+            f"{sec:.3f}",
+            f"{flops / 1e9:.1f}",
+            f"{flops / sec / peak:.1%}",
+            f"{first[name]['loss']:.3e}",
+            f"{first[name]['grad_norm']:.5e}",
+        )
+        print(f"{name:>8}" + "".join(f"{v:>12}" for v in values))
+    tp, tr = statistics.median(times["packed"]), statistics.median(times["rows"])
+    real_p = int(np.asarray(packed.lengths).sum())
+    real_r = int(np.asarray(rows.lengths).sum())
+    print(
+        f"packed vs rows: {tr / tp:.2f}x faster; {real_r / real_p:.2f}x fewer real tokens, "
+        f"{rows.shape[0] * rows.shape[1] / (packed.shape[0] * packed.shape[1]):.2f}x fewer "
+        "padded tokens"
+    )
+
+
+if __name__ == "__main__":
+    main()
