@@ -14,7 +14,7 @@ import pytest
 from envace_jax.rl import batch as tb
 from envace_jax.rl.advantages import compute_advantages, role_mask, segment_table
 from envace_jax.rl.config import GRPOConfig
-from envace_jax.rl.synthetic import random_batch
+from envace_jax.rl.synthetic import message_rows, random_batch
 
 
 def reference_rows(batch, cfg):
@@ -226,3 +226,17 @@ def test_pad_to_bucket_keeps_advantages():
 
 def test_renumber_groups():
     assert tb.renumber_groups(["b", "a", "b", "c"]).tolist() == [0, 1, 0, 2]
+
+
+def test_message_rows_keep_each_messages_advantage():
+    # The one-row-per-message layout (what the reference trains on) gives every message the
+    # advantage it has in the packed layout.
+    batch = random_batch(np.random.default_rng(4), batch_size=6, seq_len=30, num_groups=2)
+    rows = message_rows(batch)
+    tb.validate(rows)
+    cfg = GRPOConfig()
+    packed, _ = compute_advantages(batch.roles, batch.segments, batch.group, batch.reward, cfg)
+    per_row, _ = compute_advantages(rows.roles, rows.segments, rows.group, rows.reward, cfg)
+    want = [a for a in np.asarray(packed)[np.asarray(batch.segments) > 0]]
+    got = [a for a in np.asarray(per_row)[np.asarray(rows.segments) > 0]]
+    np.testing.assert_allclose(got, want, atol=1e-6)  # both in row-major message order

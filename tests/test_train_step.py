@@ -6,6 +6,7 @@ big batch; recomputed old log-probs equal the sampling policy's own log-probs).
 """
 
 import jax
+import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -181,3 +182,16 @@ def test_optim_config_errors_name_the_key():
     with pytest.raises(ValueError, match="decay_steps"):
         OptimConfig.from_config({"schedule": "cosine"})
     assert OptimConfig.from_config({"learning_rate": 2e-6}).learning_rate == 2e-6
+
+
+def test_grpo_and_sft_configs_from_config_dicts():
+    cfg = GRPOConfig.from_config(
+        ml_collections.ConfigDict({"train_roles": ["act"], "use_kl": True, "micro_batches": 4})
+    )
+    assert cfg.train_roles == ("act",) and cfg.train_role_ids == (1,) and cfg.kl_coef == 1e-4
+    with pytest.raises(ValueError, match=r"config\.rl\.clip_eps, config\.rl\.ppo_epochs"):
+        GRPOConfig.from_config({"clip_eps": 0.2, "ppo_epochs": 2})
+    with pytest.raises(ValueError, match=r"config\.rl\.loss_agg = 'mean'"):
+        GRPOConfig.from_config({"loss_agg": "mean"})
+    with pytest.raises(ValueError, match=r"config\.sft\.train_roles"):
+        SFTConfig.from_config({"train_roles": ["context"]})
