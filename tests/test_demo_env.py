@@ -426,3 +426,21 @@ def test_model_calls_never_raise(name, args):
     (r,) = env.step([{"name": name, "arguments": args}])
     assert isinstance(r, dict)
     json.dumps(r)
+
+
+def test_tools_are_described_in_the_system_turn_or_the_template():
+    """By default a demo task lists its tools compactly in the system turn and asks prompts not
+    to render the template's JSON-schema block; either way the schemas stay for validation."""
+    compact = generate_tasks(5, 4, "train")
+    full = generate_tasks(5, 4, "train", tools_in_system=False)
+    for a, b in zip(compact, full, strict=True):
+        assert a.tools == b.tools and a.tools
+        assert a.template_tools is None and b.template_tools == list(b.tools)
+        system = a.messages[0]["content"]
+        for tool in a.tools:
+            fn = tool["function"]
+            args = ", ".join(fn["parameters"]["properties"])
+            assert f"{fn['name']}({args}): {fn['description']}" in system
+        assert "tools:" not in b.messages[0]["content"]
+        # Same world, instruction and ground truth either way.
+        assert a.messages[1] == b.messages[1] and a.ground_truth == b.ground_truth

@@ -43,7 +43,7 @@ def test_demonstrations_tag_actions_and_real_responses(tokenizer, tasks):
     lengths = []
     for task, demo in zip(tasks, demos, strict=True):
         msgs = oracle_messages(task)
-        assert list(demo.ids) == _template_ids(tokenizer, msgs, list(task.tools))
+        assert list(demo.ids) == _template_ids(tokenizer, msgs, task.template_tools)
         assert demo.ids.shape == demo.roles.shape == demo.segments.shape
         lengths.append(len(demo.ids))
         n = task.ground_truth["n_calls"]

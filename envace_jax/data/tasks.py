@@ -458,6 +458,14 @@ class Task:
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
+    def template_tools(self) -> list[Mapping[str, Any]] | None:
+        """The tools to render through the chat template's tools block: `tools`, unless the
+        task describes its tools in its own messages (metadata `render_tools: false`)."""
+        if not self.tools or self.metadata.get("render_tools", True) is False:
+            return None
+        return list(self.tools)
+
+    @property
     def num_turns(self) -> int:
         """User turns of the episode (the reference's `max_num_turns`)."""
         return len(self.checklist)

@@ -66,6 +66,6 @@ def demonstrations(tasks: Sequence[Any], tokenizer) -> list[EncodedConversation]
 
     env = DemoEnv()
     return [
-        encode_conversation(tokenizer, oracle_messages(t, env), list(t.tools), rehearse=True)
+        encode_conversation(tokenizer, oracle_messages(t, env), t.template_tools, rehearse=True)
         for t in tasks
     ]

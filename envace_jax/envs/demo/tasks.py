@@ -324,18 +324,44 @@ def world_seed(seed: int, index: int, split: str) -> int:
 
 
 def generate_tasks(
-    seed: int, n: int, split: str = "train", extra_tools: int = EXTRA_TOOLS
+    seed: int,
+    n: int,
+    split: str = "train",
+    extra_tools: int = EXTRA_TOOLS,
+    tools_in_system: bool = True,
 ) -> list[Task]:
     """`n` demo tasks, deterministic in (`seed`, `split`, `extra_tools`); see the module
     docstring. Each task offers the tools its solution uses plus `extra_tools` others."""
     if n < 0 or n > MAX_TASKS_PER_SEED:
         raise ValueError(f"n must be in [0, {MAX_TASKS_PER_SEED}], got {n}")
-    return [make_task(seed, i, split, extra_tools) for i in range(n)]
+    return [make_task(seed, i, split, extra_tools, tools_in_system) for i in range(n)]
 
 
-def make_task(seed: int, index: int, split: str, extra_tools: int = EXTRA_TOOLS) -> Task:
+def tool_lines(names) -> str:
+    """One line per tool, `name(arg, ...): description`: the compact tool list of the system
+    turn (the chat template's JSON-schema tools block costs ~100 demo-tokenizer tokens per tool,
+    which would triple the length of the prompts a CPU-sized policy trains on)."""
+    lines = []
+    for name in names:
+        fn = TOOL_SCHEMAS[name]["function"]
+        args = ", ".join(fn["parameters"]["properties"])
+        lines.append(f"{name}({args}): {fn['description']}")
+    return "tools:\n" + "\n".join(lines) + "\n"
+
+
+def make_task(
+    seed: int,
+    index: int,
+    split: str,
+    extra_tools: int = EXTRA_TOOLS,
+    tools_in_system: bool = True,
+) -> Task:
     """Task `index` of (`seed`, `split`): draw a family, then worlds until one fits it, then
-    run the solution on a copy of the world to get observations, final state and reply."""
+    run the solution on a copy of the world to get observations, final state and reply.
+
+    tools_in_system: describe the offered tools in the system turn (`tool_lines`) and mark the
+    task `render_tools: false`, so prompts skip the chat template's JSON-schema tools block;
+    the schemas stay in `tools` for call validation."""
     if extra_tools < 0:
         raise ValueError(f"extra_tools must be >= 0, got {extra_tools}")
     ws = world_seed(seed, index, split)
@@ -369,8 +395,10 @@ def make_task(seed: int, index: int, split: str, extra_tools: int = EXTRA_TOOLS)
     offered = used | set(rng.sample(others, min(extra_tools, len(others))))
 
     task_id = f"demo-{split}-{seed}-{index}"
+    offered_names = [name for name in TOOL_SCHEMAS if name in offered]
+    tool_text = tool_lines(offered_names) if tools_in_system else ""
     messages = [
-        {"role": "system", "content": SYSTEM_PROMPT + render_records(world)},
+        {"role": "system", "content": SYSTEM_PROMPT + tool_text + render_records(world)},
         {"role": "user", "content": instruction},
     ]
     calls = [{"name": c["name"], "arguments": c["arguments"]} for c in solution]
@@ -392,11 +420,16 @@ def make_task(seed: int, index: int, split: str, extra_tools: int = EXTRA_TOOLS)
         {
             "task_id": task_id,
             "messages": messages,
-            "tools": [TOOL_SCHEMAS[name] for name in TOOL_SCHEMAS if name in offered],
+            "tools": [TOOL_SCHEMAS[name] for name in offered_names],
             "reference_messages": reference,
             "checklist": [items],
             "ground_truth": ground_truth,
-            "metadata": {"data_source": "demo", "family": family, "n_calls": n_calls},
+            "metadata": {
+                "data_source": "demo",
+                "family": family,
+                "n_calls": n_calls,
+                "render_tools": not tools_in_system,
+            },
         }
     )
 
