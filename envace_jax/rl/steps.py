@@ -197,21 +197,32 @@ def _score_in_chunks(graphdef, params, rest, tokens, n, temperature) -> jax.Arra
 
 
 def _update(
-    loss_fn: Callable, tx: optax.GradientTransformation, params, opt_state, mini_batch, mode
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    params,
+    opt_state,
+    mini_batch,
+    mode: str,
+    grad_shardings=None,
 ):
     """One optimizer update from a mini-batch [micro, b, ...], accumulating over micro-batches.
 
+    Gradients accumulate in float32, laid out like the params when `grad_shardings` is given
+    (so FSDP reduces them with reduce-scatters into sharded accumulators).
     Returns new params, opt state, the mini-batch loss, its grad norm and summed statistics.
     """
     weights = _mini_batch_weights(mini_batch, mode)
+    constrain = lambda tree: (
+        tree if grad_shardings is None else jax.lax.with_sharding_constraint(tree, grad_shardings)
+    )
 
     def micro_step(grads, inputs):
         mb, w = inputs
         (loss, sums), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, w)
-        grads = jax.tree.map(lambda acc, x: acc + x.astype(jnp.float32), grads, g)
+        grads = jax.tree.map(lambda acc, x: acc + x.astype(jnp.float32), grads, constrain(g))
         return grads, (loss, sums)
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     grads, (losses, sums) = jax.lax.scan(micro_step, zeros, (mini_batch, weights))
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -220,13 +231,14 @@ def _update(
     return params, opt_state, losses.sum(), grad_norm, sums
 
 
-def _run_updates(loss_fn, tx, state: TrainState, data, epochs: int, mode: str):
+def _run_updates(loss_fn, tx, state: TrainState, data, epochs: int, mode: str, shardings):
     """epochs x mini_batches updates over data [mini, micro, b, ...]; returns state, stats."""
+    grad_shardings = None if shardings is None else shardings.params
 
     def one_update(carry, mini_batch):
         params, opt_state = carry
         params, opt_state, loss, gnorm, sums = _update(
-            loss_fn, tx, params, opt_state, mini_batch, mode
+            loss_fn, tx, params, opt_state, mini_batch, mode, grad_shardings
         )
         return (params, opt_state), (loss, gnorm, sums)
 
@@ -266,7 +278,6 @@ def _compile(fn, shardings: StepShardings | None, with_ref: bool):
         with jax.set_mesh(s.mesh), parallel.axis_rules(s.rules):
             return jitted(*args)
 
-    call.jitted = jitted
     return call
 
 
@@ -326,7 +337,7 @@ def make_grpo_step(
                 graphdef, ref_params, rest, batch.tokens, mini * micro, cfg.temperature
             )
         state, stats, sums = _run_updates(
-            loss_fn, tx, state, _chunks(data, mini, micro), epochs, cfg.loss_agg
+            loss_fn, tx, state, _chunks(data, mini, micro), epochs, cfg.loss_agg, shardings
         )
         tokens = jnp.maximum(sums["tokens"], 1.0)
         metrics = {
@@ -336,7 +347,7 @@ def make_grpo_step(
             "approx_kl": sums["approx_kl"] / tokens,
             "ratio": sums["ratio"] / tokens,
             "entropy": sums["entropy"] / tokens,
-            "trained_tokens": sums["tokens"] / (epochs),
+            "trained_tokens": sums["tokens"] / epochs,
             **adv_metrics,
             **_batch_metrics(batch),
         }
@@ -379,7 +390,7 @@ def make_sft_step(
             "mask": role_mask(batch.roles, batch.segments, cfg.train_role_ids),
         }
         state, stats, sums = _run_updates(
-            loss_fn, tx, state, _chunks(data, mini, micro), 1, cfg.loss_agg
+            loss_fn, tx, state, _chunks(data, mini, micro), 1, cfg.loss_agg, shardings
         )
         tokens = jnp.maximum(sums["tokens"], 1.0)
         return state, {**stats, "nll": sums["nll"] / tokens, "trained_tokens": sums["tokens"]}
