@@ -15,6 +15,15 @@ cut, so accumulating over micro-batches gives exactly the mini-batch gradient.
 The train state (params, optimizer state) is donated: the step updates it in place. Anything
 that must survive the step, such as the frozen KL reference, is a separate copy
 (`frozen_copy`).
+
+Usage (sharded; drop `shardings` everywhere for one device):
+
+    params = nnx.state(model, nnx.Param)
+    tx = make_optimizer(OptimConfig.from_config(config.optim))
+    sh = make_shardings(mesh, params, tx, batch_shape=(B, T))
+    state = init_train_state(jax.device_put(params, sh.params), tx, sh)
+    step = make_grpo_step(model, tx, GRPOConfig.from_config(config.rl), shardings=sh)
+    state, metrics = step(state, shard_batch(batch, sh))  # + ref_params when use_kl
 """
 
 from __future__ import annotations
