@@ -1,0 +1,468 @@
+"""BFCL-v4 with the official `bfcl-eval` package, against our OpenAI-compatible server.
+
+    python -m envace_jax.eval.bfcl --model DIR [--categories offline] [--limit N] [--out DIR]
+    python -m envace_jax.eval.bfcl --gold-check [--categories ...] [--limit N] [--out DIR]
+
+`bfcl-eval` pins numpy 1.26 and many client SDKs, so it lives in a virtual environment of its
+own, created on first use under `.cache/bfcl-venv` (or `$ENVACE_CACHE/bfcl-venv`) with the
+pinned versions below and reused afterwards. Its data (questions, possible answers, multi-turn
+function docs, memory prerequisites) ships in the wheel: nothing is downloaded at run time.
+
+How our policy plugs in: the package's local-model path (`--skip-server-setup
+--local-model-path DIR`) renders each prompt itself with the Qwen3 function-calling format
+(`QwenFCHandler`) and calls `/v1/completions` with the raw text; replies are parsed from
+`<tool_call>` blocks. We register the model id `envace-jax-FC` with that handler (as the
+package's own contributors add models), start `python -m envace_jax.serve` on a free loopback
+port, run `bfcl generate` then `bfcl evaluate`, and collect the official score files
+(`score/envace-jax-FC/**/BFCL_v4_*_score.json` and `score/data_*.csv`) into `summary.json`.
+
+Categories that run offline: the AST categories (non-live and live, irrelevance, relevance),
+the four multi-turn categories, and memory with the `kv` and `rec_sum` backends. Web search
+needs the internet (SerpAPI) and memory_vector downloads an embedding model from the Hugging
+Face hub, so neither runs here; the summary says so and gives, next to the official overall
+(which counts every category not run as 0), the overall recomputed with the official weights
+over the categories that can run offline, clearly labelled.
+
+`--limit N` runs the first N entries of each category (with the memory prerequisite
+conversations they depend on), evaluated with `--partial-eval`. `--gold-check` writes the
+ground-truth answers as result files in our model's output format (`<tool_call>` blocks built
+by `text.tool_calls.format_tool_calls`) and runs the official checker on them: every category
+must score 100%, which proves the result plumbing and the call format end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from envace_jax.eval.serving import start_server, stop_server
+
+BFCL_VERSION = "2026.3.23"
+# bfcl-eval's own requirements at the versions tested together, minus sentence-transformers
+# and faiss (memory_vector only, and they pull a CUDA torch), plus what its code imports
+# without declaring (transformers for the local-model tokenizer, soundfile for qwen-agent).
+BFCL_REQUIREMENTS = (
+    "anthropic==2.14.0",
+    "beautifulsoup4==4.15.0",
+    "boto3==1.44.8",
+    "cohere==5.18.0",
+    "datamodel-code-generator==0.25.7",
+    "filelock==3.20.0",
+    "google-genai==3.6.1",
+    "google-search-results==2.4.2",
+    "html2text==2025.4.15",
+    "huggingface_hub==2.4.0",
+    "mistralai==1.7.0",
+    "mpmath==1.3.0",
+    "networkx==3.3",
+    "numpy==1.26.4",
+    "openai==3.57.0",
+    "overrides==7.7.0",
+    "pandas==3.0.6",
+    "pydantic==2.14.4",
+    "python-dotenv==1.2.4",
+    "qwen-agent==0.0.34",
+    "rank-bm25==0.2.2",
+    "requests==2.34.2",
+    "soundfile==0.14.0",
+    "tabulate==0.10.0",
+    "tenacity==9.1.4",
+    "tokenizers==0.23.3",
+    "tqdm==4.70.1",
+    "transformers==5.24.0",
+    "tree-sitter==0.21.3",
+    "tree-sitter-java==0.21.0",
+    "tree-sitter-javascript==0.21.4",
+    "typer==0.29.2",
+    "writer-sdk==3.0.0",
+)
+MODEL_ID = "envace-jax-FC"  # no underscores: the evaluator maps '_' in directory names to '/'
+DISPLAY_NAME = "envace_jax policy (FC Qwen3 format)"  # no commas: data_*.csv is unquoted
+
+NON_LIVE = ["simple_python", "simple_java", "simple_javascript", "multiple", "parallel"]
+NON_LIVE += ["parallel_multiple", "irrelevance"]
+LIVE = ["live_simple", "live_multiple", "live_parallel", "live_parallel_multiple"]
+LIVE += ["live_irrelevance", "live_relevance"]
+MULTI_TURN = ["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param"]
+MULTI_TURN += ["multi_turn_long_context"]
+MEMORY_OFFLINE = ["memory_kv", "memory_rec_sum"]
+OFFLINE = NON_LIVE + LIVE + MULTI_TURN + MEMORY_OFFLINE
+NOT_OFFLINE = {
+    "web_search_base": "needs the internet (SerpAPI web search)",
+    "web_search_no_snippet": "needs the internet (SerpAPI web search)",
+    "memory_vector": "downloads a sentence-transformers embedding model from the Hugging Face hub",
+}
+GROUPS = {
+    "offline": OFFLINE,
+    "non_live": NON_LIVE,
+    "live": LIVE,
+    "multi_turn": MULTI_TURN,
+    "memory": MEMORY_OFFLINE,
+}
+
+# Registers our model id with the package's Qwen3 function-calling handler, then runs its CLI.
+# Written to a file (not `python -c`) so multiprocessing children re-import the registration.
+_LAUNCHER = f"""
+import sys
+from bfcl_eval.constants.model_config import MODEL_CONFIG_MAPPING, ModelConfig
+from bfcl_eval.model_handler.local_inference.qwen_fc import QwenFCHandler
+
+MODEL_CONFIG_MAPPING[{MODEL_ID!r}] = ModelConfig(
+    model_name="envace-jax",
+    display_name={DISPLAY_NAME!r},
+    url="",
+    org="envace_jax",
+    license="",
+    model_handler=QwenFCHandler,
+    input_price=None,
+    output_price=None,
+    is_fc_model=True,
+    underscore_to_dot=False,
+)
+
+if __name__ == "__main__":
+    from bfcl_eval.__main__ import cli
+
+    sys.argv = ["bfcl", *sys.argv[1:]]
+    cli()
+"""
+
+
+def log(msg: str) -> None:
+    print(f"[bfcl] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The package's virtual environment
+
+
+def default_venv() -> Path:
+    root = os.environ.get("ENVACE_CACHE") or os.path.join(os.getcwd(), ".cache")
+    return Path(root) / "bfcl-venv"
+
+
+def _stamp() -> str:
+    text = "\n".join((BFCL_VERSION, sys.version.split()[0], *BFCL_REQUIREMENTS))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def ensure_venv(path: Path) -> Path:
+    """The venv's python, creating or rebuilding the venv when its pinned set changed."""
+    python = path / "bin" / "python"
+    stamp_file = path / ".envace-stamp"
+    if python.exists() and stamp_file.exists() and stamp_file.read_text() == _stamp():
+        return python
+    start = time.perf_counter()
+    log(f"creating the bfcl-eval {BFCL_VERSION} environment in {path} (once; a few minutes)")
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, *BFCL_REQUIREMENTS], check=True)
+    # --no-deps: its declared set would add sentence-transformers and faiss (see above).
+    subprocess.run([*pip, "--no-deps", f"bfcl-eval=={BFCL_VERSION}"], check=True)
+    subprocess.run([str(python), "-c", "import bfcl_eval.__main__"], check=True)
+    stamp_file.write_text(_stamp())
+    log(f"environment ready in {time.perf_counter() - start:.0f}s")
+    return python
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the package
+
+
+def resolve_categories(names: list[str]) -> list[str]:
+    """Category names or group names -> categories, refusing ones that cannot run offline."""
+    out: list[str] = []
+    for name in names:
+        if name in NOT_OFFLINE:
+            raise SystemExit(f"category {name!r} cannot run offline: {NOT_OFFLINE[name]}")
+        items = GROUPS.get(name, [name])
+        for item in items:
+            if item not in OFFLINE:
+                raise SystemExit(f"unknown BFCL category {item!r}; offline ones: {OFFLINE}")
+            if item not in out:
+                out.append(item)
+    return out
+
+
+def _venv_env(root: Path, extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update(
+        BFCL_PROJECT_ROOT=str(root),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("PYTHONPATH", None)  # our venv's packages must not leak into theirs
+    env.update(extra or {})
+    return env
+
+
+def _run_in_venv(python: Path, root: Path, args: list[str], log_name: str, env=None, timeout=None):
+    log_path = root / log_name
+    start = time.perf_counter()
+    with open(log_path, "w") as f:
+        proc = subprocess.run(
+            [str(python), *args],
+            cwd=root,
+            env=_venv_env(root, env),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )
+    if proc.returncode != 0:
+        tail = "".join(open(log_path).readlines()[-40:])
+        raise RuntimeError(f"{log_name[:-4]} failed ({proc.returncode}); {log_path}:\n{tail}")
+    log(f"{log_name[:-4]} done in {time.perf_counter() - start:.0f}s (log: {log_path})")
+
+
+_SELECT = """
+import json, sys
+from bfcl_eval.utils import load_dataset_entry
+categories, limit = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+out = {}
+for cat in categories:
+    entries = load_dataset_entry(cat)
+    by_id = {e["id"]: e for e in entries}
+    main = [e for e in entries if "prereq" not in e["id"]]
+    chosen = main if limit is None else main[:limit]
+    ids, todo = [], [e["id"] for e in chosen]
+    while todo:  # the entries chosen and, transitively, the prerequisites they depend on
+        i = todo.pop()
+        if i not in ids:
+            ids.append(i)
+            todo.extend(by_id[i].get("depends_on", []))
+    out[cat] = sorted(ids)
+json.dump(out, open("test_case_ids_to_generate.json", "w"), indent=1)
+print(sum(len(v) for v in out.values()))
+"""
+
+
+def select_entries(python: Path, root: Path, categories: list[str], limit: int | None) -> dict:
+    """Writes the package's `test_case_ids_to_generate.json` (used by `--run-ids`)."""
+    _run_in_venv(
+        python, root, ["-c", _SELECT, json.dumps(categories), json.dumps(limit)], "select.log"
+    )
+    return json.loads((root / "test_case_ids_to_generate.json").read_text())
+
+
+def generate(python, root, model_dir, base_url, api_key, threads, timeout):
+    host_port = base_url.split("://", 1)[1].split("/", 1)[0]
+    host, port = host_port.rsplit(":", 1)
+    env = {"LOCAL_SERVER_ENDPOINT": host, "LOCAL_SERVER_PORT": port}
+    if api_key:
+        env["REMOTE_OPENAI_API_KEY"] = api_key
+    args = ["launch_bfcl.py", "generate", "--model", MODEL_ID, "--run-ids"]
+    args += ["--skip-server-setup", "--local-model-path", str(model_dir)]
+    args += ["--num-threads", str(threads), "--allow-overwrite"]
+    _run_in_venv(python, root, args, "generate.log", env=env, timeout=timeout)
+
+
+def evaluate(python, root, categories, partial, timeout):
+    args = ["launch_bfcl.py", "evaluate", "--model", MODEL_ID]
+    args += ["--test-category", ",".join(categories)]
+    if partial:
+        args.append("--partial-eval")
+    _run_in_venv(python, root, args, "evaluate.log", timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores
+
+
+def read_scores(root: Path) -> dict[str, dict]:
+    """category -> the header line of its official score file (accuracy, counts)."""
+    scores = {}
+    for path in sorted((root / "score" / MODEL_ID).rglob("BFCL_v4_*_score.json")):
+        cat = path.name[len("BFCL_v4_") : -len("_score.json")]
+        with open(path) as f:
+            head = json.loads(f.readline())
+        scores[cat] = {
+            "accuracy": head["accuracy"],
+            "correct_count": head.get("correct_count"),
+            "total_count": head["total_count"],
+            "file": str(path.relative_to(root)),
+        }
+    return scores
+
+
+def inference_errors(root: Path) -> dict[str, int]:
+    """category -> entries whose generation failed (the package records the error as the
+    result, and the checker scores it 0), e.g. a prompt longer than the model's context."""
+    out = {}
+    for path in sorted((root / "result" / MODEL_ID).rglob("BFCL_v4_*_result.json")):
+        cat = path.name[len("BFCL_v4_") : -len("_result.json")]
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        bad = [
+            r
+            for r in rows
+            if isinstance(r.get("result"), str) and r["result"].startswith("Error during inference")
+        ]
+        if bad:
+            out[cat] = len(bad)
+    return out
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+def offline_overall(scores: dict[str, dict]) -> float:
+    """The official overall formula (eval_runner_helper: 10 non-live, 10 live, 10 irrelevance,
+    30 multi-turn, 40 agentic) with agentic = memory over its offline backends only (web search
+    and memory_vector left out rather than counted as 0). Categories not run count as 0, as in
+    the official formula."""
+
+    def acc(c):
+        return scores[c]["accuracy"] if c in scores else 0.0
+
+    def count(c):
+        return scores[c]["total_count"] if c in scores else 0
+
+    simple = _mean([acc("simple_python"), acc("simple_java"), acc("simple_javascript")])
+    non_live = _mean([simple, acc("multiple"), acc("parallel"), acc("parallel_multiple")])
+    live_cats = ["live_simple", "live_multiple", "live_parallel", "live_parallel_multiple"]
+    n = sum(count(c) for c in live_cats)
+    live = sum(acc(c) * count(c) for c in live_cats) / n if n else 0.0
+    irrelevance = _mean([acc("irrelevance"), acc("live_irrelevance")])
+    multi_turn = _mean([acc(c) for c in MULTI_TURN])
+    memory = _mean([acc(c) for c in MEMORY_OFFLINE])
+    parts = [non_live, live, irrelevance, multi_turn, memory]
+    weights = [10, 10, 10, 30, 40]
+    return sum(p * w for p, w in zip(parts, weights, strict=True)) / sum(weights)
+
+
+def official_overall(root: Path) -> float | None:
+    path = root / "score" / "data_overall.csv"
+    if not path.exists():
+        return None
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            if row.get("Model") == DISPLAY_NAME:
+                value = row.get("Overall Acc", "")
+                try:
+                    return float(value.rstrip("%")) / (100 if value.endswith("%") else 1)
+                except ValueError:
+                    return None
+    return None
+
+
+def summarize(root: Path, categories: list[str], limit: int | None, label: str) -> dict:
+    scores = read_scores(root)
+    missing = [c for c in categories if c not in scores]
+    summary = {
+        "run": label,
+        "bfcl_eval_version": BFCL_VERSION,
+        "model_id": MODEL_ID,
+        "limit_per_category": limit,
+        "categories": scores,
+        "categories_without_score_file": missing,
+        "inference_errors": inference_errors(root),
+        "not_run_needs_internet": NOT_OFFLINE,
+        "overall_official_formula": official_overall(root),
+        "overall_official_formula_note": (
+            "data_overall.csv 'Overall Acc': every category not run (web search, memory_vector"
+            + (", and any not selected" if set(categories) != set(OFFLINE) else "")
+            + ") counts as 0"
+        ),
+        "overall_offline_categories": offline_overall(scores),
+        "overall_offline_categories_note": (
+            "official weights with web search and memory_vector left out (they need the "
+            "internet); NOT comparable to leaderboard numbers"
+            + ("; partial run (--limit)" if limit else "")
+        ),
+        "score_dir": str(root / "score"),
+    }
+    (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Gold check
+
+
+def write_gold_results(python: Path, root: Path, ids: dict[str, list[str]]) -> int:
+    """Result files holding the ground truth in our model's output format (see bfcl_gold)."""
+    from envace_jax.eval import bfcl_gold
+
+    (root / "extract_gold.py").write_text(bfcl_gold.EXTRACT)
+    (root / "gold_ids.json").write_text(json.dumps(ids))
+    args = ["extract_gold.py", "gold_ids.json", "gold.json"]
+    _run_in_venv(python, root, args, "gold.log")
+    extracted = json.loads((root / "gold.json").read_text())
+    return bfcl_gold.write_results(extracted, root / "result" / MODEL_ID)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m envace_jax.eval.bfcl", description=__doc__)
+    p.add_argument("--model", help="HF model directory to serve (with its tokenizer)")
+    p.add_argument("--base-url", help="use a running server instead (its --model is still read)")
+    p.add_argument("--api-key", default=os.environ.get("ENVACE_API_KEY"))
+    p.add_argument("--categories", default="offline", help="comma list of categories / groups")
+    p.add_argument("--limit", type=int, default=None, help="first N entries per category")
+    p.add_argument("--out", default="bfcl_out", help="project root for results and scores")
+    p.add_argument("--venv", default=None, help="bfcl-eval virtual environment")
+    p.add_argument("--threads", type=int, default=16, help="concurrent requests")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per bfcl command")
+    p.add_argument("--gold-check", action="store_true", help="score the ground truth instead")
+    p.add_argument("--server-arg", action="append", default=[], help="extra serve flag")
+    return p.parse_args(argv)
+
+
+def run(args) -> dict:
+    categories = resolve_categories([c for c in args.categories.split(",") if c])
+    root = Path(args.out).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    for old in ("result", "score"):  # a run's scores must be its own
+        subprocess.run(["rm", "-rf", str(root / old)], check=True)
+    python = ensure_venv(Path(args.venv) if args.venv else default_venv())
+    (root / "launch_bfcl.py").write_text(_LAUNCHER)
+    ids = select_entries(python, root, categories, args.limit)
+    log(f"{sum(map(len, ids.values()))} entries in {len(categories)} categories")
+    if args.gold_check:
+        write_gold_results(python, root, ids)
+    else:
+        if not args.model:
+            raise SystemExit("--model DIR is required (the tokenizer is read from it)")
+        model_dir = Path(args.model).resolve()
+        proc, url = (
+            (None, args.base_url)
+            if args.base_url
+            else start_server(str(model_dir), root, args.server_arg)
+        )
+        try:
+            generate(python, root, model_dir, url, args.api_key, args.threads, args.timeout)
+        finally:
+            if proc is not None:
+                stop_server(proc)
+    evaluate(python, root, categories, args.limit is not None, args.timeout)
+    label = "gold answers through the official checker" if args.gold_check else "model"
+    summary = summarize(root, categories, args.limit, label)
+    log(f"summary: {root / 'summary.json'}")
+    return summary
+
+
+def main(argv=None) -> int:
+    summary = run(parse_args(argv))
+    for cat, s in summary["categories"].items():
+        print(f"{cat:28s} {s['accuracy']:.4f}  ({s['correct_count']}/{s['total_count']})")
+    print(f"overall (official formula, not-run = 0): {summary['overall_official_formula']}")
+    print(f"overall (offline categories only)      : {summary['overall_offline_categories']:.4f}")
+    print("not run (need the internet): " + ", ".join(summary["not_run_needs_internet"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
