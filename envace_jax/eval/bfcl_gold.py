@@ -106,7 +106,9 @@ def ast_calls(truth, entry, cat):
     docs = {f["name"]: f.get("parameters", {}).get("properties", {}) for f in entry["function"]}
     to_text = {"simple_java": java, "simple_javascript": js}.get(cat)
     calls = []
-    required = {f["name"]: set(f.get("parameters", {}).get("required", [])) for f in entry["function"]}
+    required = {
+        f["name"]: set(f.get("parameters", {}).get("required", [])) for f in entry["function"]
+    }
     for item in truth:
         ((name, params),) = item.items()
         need = required.get(name, set())
