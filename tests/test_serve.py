@@ -440,6 +440,7 @@ def test_server_survives_bad_requests_and_cancelled_streams(server, client):
     assert stats.get("finished_cancelled", 0) >= 1
 
 
+@pytest.mark.slow  # starts a second server
 def test_graceful_shutdown_finishes_running_streams(model_dir):
     """SIGTERM while a stream is running: the stream completes, then the process exits 0."""
     with running_server(model_dir) as (url, proc):
