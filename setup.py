@@ -27,9 +27,23 @@ setup(
         "safetensors>=0.5,<0.9",
         "jinja2>=3.1,<4",  # chat templates
         "numpy>=1.26,<3",
+        "tensorboardX>=2.6,<3",  # TensorBoard event files without TensorFlow
+        "matplotlib>=3.8,<4",  # training-curve and comparison plots
     ],
     extras_require={
+        "serve": [
+            "fastapi>=0.115,<1",
+            "uvicorn>=0.30,<1",
+            "httpx>=0.27,<1",
+            "pyyaml>=6,<7",
+        ],
         "test": [
+            "fastapi>=0.115,<1",
+            "uvicorn>=0.30,<1",
+            "httpx>=0.27,<1",
+            "pyyaml>=6,<7",
+            "openai>=1.60,<4",  # real OpenAI clients against our server
+            "litellm>=1.60,<2",
             "pytest>=8,<10",
             "hypothesis>=6.100,<7",
             # Only for comparisons against the transformers PyTorch models (CPU build).

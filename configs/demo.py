@@ -15,6 +15,22 @@ def get_config(variant: str | None = None):
         return config
     if variant == "smoke":
         # Seconds-long run of the same pipeline, used by tests and CI.
-        config.generate.max_new_tokens = 8
+        config.model.preset = "tiny-qwen3"
+        config.data.train_tasks = 64
+        config.data.eval_tasks = 4
+        config.schedule.sft_steps = 4
+        config.schedule.sft_batch_size = 4
+        config.schedule.rl_steps = 2
+        config.schedule.eval_every = 1
+        config.schedule.checkpoint_every = 2
+        config.schedule.log_every = 2
+        config.sft_optim.warmup_steps = 1
+        config.sft_optim.decay_steps = 3
+        config.rollout.group_size = 2
+        config.rollout.tasks_per_step = 2
+        config.rollout.max_new_tokens = 64
+        config.rollout.max_message_tokens = 32
+        config.eval.fidelity_tasks = 2
+        config.eval.max_new_tokens = 64
         return config
     raise ValueError(f"configs/demo.py: unknown variant {variant!r}; known: 'smoke'")

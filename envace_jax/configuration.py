@@ -3,23 +3,40 @@
 Config files (`configs/*.py`) start from `base_config()` and change values; they never add keys.
 `validate(config)` compares a config against the defaults' key tree and value rules and raises
 `ConfigError` naming the key, so a typo or a bad value fails in milliseconds, not after a compile.
+
+The sections `grpo`, `sft`, `optim` and `sft_optim` mirror the step dataclasses of `envace_jax.rl`
+(`GRPOConfig`, `SFTConfig`, `OptimConfig`), whose field comments document each knob; their
+defaults come from those dataclasses, so there is one source of truth.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import ml_collections
+
+from envace_jax.rl.config import GRPOConfig, SFTConfig
+from envace_jax.rl.optim import OptimConfig
+
+MODES = ("envace",)  # Training modes (see docs); 'envace' = shared-parameter world rehearsal.
 
 
 class ConfigError(ValueError):
     """A config key is unknown, has the wrong type, or holds a value outside its range."""
 
 
+def _section(cls, **overrides) -> ml_collections.ConfigDict:
+    values = {f.name: getattr(cls(), f.name) for f in dataclasses.fields(cls)}
+    values.update(overrides)
+    return ml_collections.ConfigDict(values)
+
+
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.seed = 0  # Seeds parameter init, data order and sampling.
+    c.seed = 0  # Seeds parameter init, task generation order, sampling.
+    c.mode = "envace"  # Training mode, one of MODES.
     c.tokenizer = "demo"  # 'demo' (shipped byte-level BPE) or a local HF tokenizer directory.
 
     c.model = ml_collections.ConfigDict()
@@ -34,26 +51,118 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1  # Parameter/optimizer-state sharding axis size.
     c.mesh.tensor = 1  # Tensor-parallel axis size.
 
+    c.data = ml_collections.ConfigDict()
+    c.data.env = "demo"  # Task domain and executable environment ('demo').
+    c.data.train_tasks = 4096  # Generated training tasks (SFT demonstrations and RL prompts).
+    c.data.eval_tasks = 128  # Held-out tasks (a split never used in training) for evaluation.
+
+    c.sft = _section(SFTConfig)  # Warm-start step (envace_jax.rl.config.SFTConfig).
+    c.sft_optim = _section(
+        OptimConfig, learning_rate=2e-3, schedule="cosine", warmup_steps=20, decay_steps=300
+    )  # Optimizer of the warm start (envace_jax.rl.optim.OptimConfig).
+    c.grpo = _section(GRPOConfig)  # Role-wise GRPO step (envace_jax.rl.config.GRPOConfig).
+    c.optim = _section(OptimConfig, learning_rate=2e-4)  # Optimizer of the RL phase.
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.group_size = 8  # K rollouts per task (one GRPO group).
+    c.rollout.tasks_per_step = 8  # Tasks per RL step; a step trains on group_size x this rows.
+    c.rollout.temperature = 1.0  # Sampling temperature of training rollouts.
+    c.rollout.top_p = 1.0  # Nucleus sampling of training rollouts (1.0 = off, as the reference).
+    c.rollout.max_new_tokens = 384  # Token budget of one trajectory after its prompt.
+    c.rollout.max_turns = 6  # ACT messages per trajectory.
+    c.rollout.max_message_tokens = 128  # Tokens of one generated message.
+    c.rollout.length_buckets = (256, 384, 512, 640, 768, 1024, 1536, 2048)  # Train lengths.
+
+    c.schedule = ml_collections.ConfigDict()
+    c.schedule.sft_steps = 300  # Warm-start optimizer steps.
+    c.schedule.sft_batch_size = 16  # Demonstrations per warm-start step.
+    c.schedule.rl_steps = 40  # RL steps after the warm start.
+    c.schedule.eval_every = 10  # RL steps between real-environment evaluations (0 = end only).
+    c.schedule.checkpoint_every = 10  # Steps (SFT and RL) between checkpoints.
+    c.schedule.keep_checkpoints = 3  # Checkpoints kept on disk.
+    c.schedule.log_every = 10  # SFT steps between metric lines.
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.greedy = True  # Committed execution decodes greedily.
+    c.eval.fidelity_tasks = 32  # Held-out tasks whose rehearsals are checked against the env.
+    c.eval.max_new_tokens = 384  # Token budget of one evaluation episode.
+
     c.generate = ml_collections.ConfigDict()
-    c.generate.max_new_tokens = 48  # Tokens decoded by the sample run at the end of the job.
-    c.generate.instruction = "What is the balance of account A3?"  # Sample user message.
+    c.generate.max_new_tokens = 48  # Tokens decoded by the sample run (`schedule` all zero).
     return c
 
 
-# Value rules: key path -> (predicate, description of what is allowed).
+def _int(lo: int) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= lo), (
+        f"an integer >= {lo}"
+    )
+
+
+def _float(lo: float, hi: float | None = None) -> tuple[Callable[[Any], bool], str]:
+    ok = lambda v: (
+        isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and lo <= v
+        and (hi is None or v <= hi)
+    )
+    return ok, f"a number in [{lo}, {hi if hi is not None else 'inf'}]"
+
+
+def _choice(*options: str) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v in options), f"one of {options}"
+
+
+_MESH_AXIS = (lambda v: isinstance(v, int) and (v == -1 or v >= 1), "-1 or an integer >= 1")
+_DTYPE = _choice("float32", "bfloat16")
+
+# Value rules of the sections that are not step dataclasses: key path -> (predicate, allowed).
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "seed": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "seed": _int(0),
+    "mode": _choice(*MODES),
     "tokenizer": (lambda v: isinstance(v, str) and v != "", "'demo' or a tokenizer directory"),
     "model.preset": (lambda v: isinstance(v, str), "a preset name"),
     "model.hf_path": (lambda v: isinstance(v, str), "a directory path or ''"),
-    "model.param_dtype": (lambda v: v in ("float32", "bfloat16"), "'float32' or 'bfloat16'"),
-    "model.dtype": (lambda v: v in ("float32", "bfloat16"), "'float32' or 'bfloat16'"),
-    "model.remat": (lambda v: v in ("none", "full", "dots"), "'none', 'full' or 'dots'"),
-    "mesh.data": (lambda v: isinstance(v, int) and (v == -1 or v >= 1), "-1 or an integer >= 1"),
-    "mesh.fsdp": (lambda v: isinstance(v, int) and (v == -1 or v >= 1), "-1 or an integer >= 1"),
-    "mesh.tensor": (lambda v: isinstance(v, int) and (v == -1 or v >= 1), "-1 or an integer >= 1"),
-    "generate.max_new_tokens": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    "generate.instruction": (lambda v: isinstance(v, str) and v.strip() != "", "non-empty text"),
+    "model.param_dtype": _DTYPE,
+    "model.dtype": _DTYPE,
+    "model.remat": _choice("none", "full", "dots"),
+    "mesh.data": _MESH_AXIS,
+    "mesh.fsdp": _MESH_AXIS,
+    "mesh.tensor": _MESH_AXIS,
+    "data.env": _choice("demo"),
+    "data.train_tasks": _int(1),
+    "data.eval_tasks": _int(1),
+    "rollout.group_size": _int(1),
+    "rollout.tasks_per_step": _int(1),
+    "rollout.temperature": _float(1e-6),
+    "rollout.top_p": _float(1e-6, 1.0),
+    "rollout.max_new_tokens": _int(1),
+    "rollout.max_turns": _int(1),
+    "rollout.max_message_tokens": _int(1),
+    "rollout.length_buckets": (
+        lambda v: (
+            isinstance(v, (tuple, list))
+            and len(v) > 0
+            and all(isinstance(x, int) and x > 0 for x in v)
+        ),
+        "a non-empty tuple of positive integers",
+    ),
+    "schedule.sft_steps": _int(0),
+    "schedule.sft_batch_size": _int(1),
+    "schedule.rl_steps": _int(0),
+    "schedule.eval_every": _int(0),
+    "schedule.checkpoint_every": _int(1),
+    "schedule.keep_checkpoints": _int(1),
+    "schedule.log_every": _int(1),
+    "eval.greedy": (lambda v: isinstance(v, bool), "a bool"),
+    "eval.fidelity_tasks": _int(0),
+    "eval.max_new_tokens": _int(1),
+    "generate.max_new_tokens": _int(1),
+}
+_DATACLASS_SECTIONS = {
+    "sft": SFTConfig,
+    "sft_optim": OptimConfig,
+    "grpo": GRPOConfig,
+    "optim": OptimConfig,
 }
 
 
@@ -68,16 +177,27 @@ def _flatten(cfg: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]
     return out
 
 
+def step_configs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The step dataclasses of `config`, keyed by section name (raises naming bad keys)."""
+    out = {}
+    for section, cls in _DATACLASS_SECTIONS.items():
+        try:
+            out[section] = cls.from_config(config[section], section)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return out
+
+
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Checks every key and value of `config`; returns it unchanged or raises ConfigError."""
     given = _flatten(config)
     known = _flatten(base_config())
     unknown = sorted(set(given) - set(known))
     if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+        raise ConfigError(f"unknown config key(s): {', '.join('config.' + k for k in unknown)}")
     missing = sorted(set(known) - set(given))
     if missing:
-        raise ConfigError(f"config is missing key(s): {', '.join(missing)}")
+        raise ConfigError(f"config is missing key(s): {', '.join('config.' + k for k in missing)}")
     problems = []
     for path, value in given.items():
         rule = _RULES.get(path)
@@ -87,4 +207,5 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         problems.append("config.mesh: at most one of data/fsdp/tensor may be -1")
     if problems:
         raise ConfigError("; ".join(problems))
+    step_configs(config)
     return config

@@ -1,0 +1,97 @@
+"""EnvACE rollouts: K world-rehearsal trajectories per task, judged, as a training batch.
+
+No environment is touched: the policy acts and rehearses inside one compiled decode loop
+(`sampling.loop`, mode 'rehearse'), the rule judge scores each trajectory including its
+rehearsed observations, and the rows become a `rl.batch.TrajectoryBatch` whose `group` is the
+task index (the K rollouts of one task share it). An episode that became invalid (an action
+or rehearsal that does not parse) keeps its tokens up to and including the offending message,
+scored 0 for that turn as in the reference, and nothing after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from envace_jax.rewards.rule_judge import judge
+from envace_jax.rl.batch import STATUS_NAMES, TrajectoryBatch, from_numpy, pad_to_bucket
+from envace_jax.rollout.episodes import Episode, build_episodes
+from envace_jax.sampling.chat_spec import later_user_turns
+from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.sampling.sampler import Sampler
+from envace_jax.text.role_pieces import prompt_ids
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """A judged rollout batch. `batch` is host NumPy, padded to a length bucket."""
+
+    batch: TrajectoryBatch
+    episodes: list[Episode]
+    tasks: list[Any]  # per row
+    stats: dict[str, float]
+
+
+def task_prompts(tokenizer, tasks: Sequence[Any]) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Prompt ids (opening messages + generation prompt) and later user turns of each task."""
+    prompts = [prompt_ids(tokenizer, t.messages, t.template_tools) for t in tasks]
+    users = [later_user_turns(tokenizer, t.reference_messages) for t in tasks]
+    return prompts, users
+
+
+def rehearsal_rollouts(
+    sampler: Sampler,
+    tokenizer,
+    tasks: Sequence[Any],
+    *,
+    group_size: int,
+    key: jax.Array,
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    length_buckets: Sequence[int],
+    batch_size: int | None = None,
+) -> RolloutBatch:
+    """Samples `group_size` world-rehearsal trajectories of every task and judges them."""
+    rows = [t for t in tasks for _ in range(group_size)]
+    prompts, users = task_prompts(tokenizer, rows)
+    out = sampler.generate(
+        prompts, key=key, sampling=sampling, max_new_tokens=max_new_tokens, user_turns=users
+    )
+    episodes = build_episodes(tokenizer, rows, out)
+    rewards = np.asarray(
+        [judge(t, ep.messages).score for t, ep in zip(rows, episodes, strict=True)]
+    )
+    lengths = np.asarray([ep.end for ep in episodes], np.int32)
+    past = np.arange(out.tokens.shape[1])[None, :] >= lengths[:, None]
+    batch = from_numpy(
+        tokens=np.where(past, tokenizer.pad_token_id, out.tokens),
+        roles=np.where(past, 0, out.roles),
+        segments=np.where(past, 0, out.segments),
+        logprobs=np.where(past, 0.0, out.logprobs),
+        lengths=lengths,
+        group=np.repeat(np.arange(len(tasks)), group_size),
+        reward=rewards,
+        status=[ep.status for ep in episodes],
+    )
+    batch = pad_to_bucket(
+        batch, length_buckets, batch_size=batch_size, pad_id=tokenizer.pad_token_id
+    )
+    return RolloutBatch(batch, episodes, rows, rollout_stats(episodes, rewards, lengths))
+
+
+def rollout_stats(episodes: Sequence[Episode], rewards: np.ndarray, lengths: np.ndarray) -> dict:
+    status = np.asarray([ep.status for ep in episodes])
+    stats = {
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "tokens_mean": float(lengths.mean()),
+        "calls_mean": float(np.mean([len(ep.calls) for ep in episodes])),
+        "final_reply_rate": float(np.mean([ep.final_reply is not None for ep in episodes])),
+    }
+    for code, name in enumerate(STATUS_NAMES):
+        stats[f"status_{name}"] = float((status == code).mean())
+    return stats

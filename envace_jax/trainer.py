@@ -1,0 +1,374 @@
+"""The EnvACE training loop: warm-start SFT -> world-rehearsal RL -> real-environment evaluation.
+
+    Trainer(config, workdir).run()
+
+1. **Warm start.** Cross-entropy on oracle demonstrations of the training tasks, both roles: the
+   agent's messages (ACT) and the real environment's responses (REHEARSE targets).
+2. **EnvACE RL.** Per step: `rollout.tasks_per_step` tasks x `rollout.group_size` trajectories in
+   world-rehearsal mode (no environment), judged by the rule judge on the rehearsed trajectory,
+   then one role-wise GRPO update of the shared policy.
+3. **Evaluation** of committed execution in the real environment on held-out tasks (after the
+   warm start, every `schedule.eval_every` RL steps, and at the end): success, reward, tool-error
+   rate, and rehearsal fidelity (rehearsed responses equal to the real environment's).
+
+Global step numbering: warm-start steps are 1..S, RL steps S+1..S+R, so one checkpoint sequence
+covers both phases. Every random draw is keyed by (seed, global step), and data positions are a
+function of the step, so a run resumed from a checkpoint ends with the same parameters as one
+that never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from envace_jax import checkpoint as ckpt_lib
+from envace_jax.build import build_mesh, build_model, build_tokenizer
+from envace_jax.configuration import step_configs
+from envace_jax.data.stream import TaskStream
+from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks
+from envace_jax.metrics import (
+    MetricsWriter,
+    Progress,
+    plot_curves,
+    read_metrics,
+    table,
+    truncate_metrics,
+)
+from envace_jax.models.hf_io import save_hf_model
+from envace_jax.rl.batch import from_numpy, pad_to_bucket
+from envace_jax.rl.optim import make_optimizer
+from envace_jax.rl.steps import (
+    TrainState,
+    init_train_state,
+    make_grpo_step,
+    make_sft_step,
+    make_shardings,
+    shard_batch,
+)
+from envace_jax.rollout.real_env import real_env_metrics, real_env_rollouts, rehearsal_fidelity
+from envace_jax.rollout.world_rehearsal import rehearsal_rollouts
+from envace_jax.sampling.chat_spec import turn_spec
+from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.sampling.sampler import Sampler
+
+
+class TrainingDiverged(RuntimeError):
+    """A loss or gradient norm was NaN or inf."""
+
+
+@dataclasses.dataclass
+class EvalResult:
+    success: float
+    reward: float
+    tool_error_rate: float
+    invalid_rate: float
+    fidelity: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+class Trainer:
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        self.config = config
+        self.workdir = workdir
+        self.steps_cfg = step_configs(config)
+        self.mesh = build_mesh(config)
+        self.tokenizer = build_tokenizer(config)
+        self.model = build_model(config, self.tokenizer, self.mesh)
+        self.graphdef, params, self.rest = nnx.split(self.model, nnx.Param, ...)
+        self.key = jax.random.key(config.seed)
+        self.eval_key = jax.random.fold_in(self.key, 2**31 - 1)  # a stream apart from training
+        s = config.schedule
+        self.sft_steps, self.rl_steps = s.sft_steps, s.rl_steps
+
+        self.train_tasks = generate_tasks(config.seed, config.data.train_tasks, split="train")
+        self.eval_tasks = generate_tasks(config.seed, config.data.eval_tasks, split="validation")
+        self.make_env = DemoEnv
+        self.pad_id = self.tokenizer.pad_token_id
+
+        r = config.rollout
+        rl_rows = r.group_size * r.tasks_per_step
+        self.sft_tx = make_optimizer(self.steps_cfg["sft_optim"])
+        self.rl_tx = make_optimizer(self.steps_cfg["optim"])
+        longest = max(r.length_buckets)
+        self.sft_shardings = make_shardings(
+            self.mesh, params, self.sft_tx, (s.sft_batch_size, longest)
+        )
+        self.rl_shardings = make_shardings(self.mesh, params, self.rl_tx, (rl_rows, longest))
+        self.sft_step = make_sft_step(
+            self.model, self.sft_tx, self.steps_cfg["sft"], shardings=self.sft_shardings
+        )
+        self.grpo_step = make_grpo_step(
+            self.model, self.rl_tx, self.steps_cfg["grpo"], shardings=self.rl_shardings
+        )
+        common = dict(max_turns=r.max_turns, max_message_tokens=r.max_message_tokens)
+        self.rehearse_sampler = Sampler(
+            self.model, turn_spec(self.tokenizer, mode="rehearse", **common), pad_id=self.pad_id
+        )
+        self.host_sampler = Sampler(
+            self.model, turn_spec(self.tokenizer, mode="host", **common), pad_id=self.pad_id
+        )
+        self.checkpointer = ckpt_lib.Checkpointer(
+            os.path.join(workdir, "checkpoints"), keep=s.keep_checkpoints
+        )
+        self.writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
+        self._demos = None
+
+    # ------------------------------------------------------------------ state and checkpoints
+
+    def _phase_of(self, global_step: int) -> str:
+        return "sft" if global_step < self.sft_steps or self.rl_steps == 0 else "rl"
+
+    def _fresh_state(self, params, phase: str) -> TrainState:
+        tx, sh = (
+            (self.sft_tx, self.sft_shardings) if phase == "sft" else (self.rl_tx, self.rl_shardings)
+        )
+        return init_train_state(params, tx, sh)
+
+    def _abstract_state(self, phase: str) -> TrainState:
+        tx, sh = (
+            (self.sft_tx, self.sft_shardings) if phase == "sft" else (self.rl_tx, self.rl_shardings)
+        )
+        params = nnx.state(self.model, nnx.Param)
+        shapes = jax.eval_shape(
+            lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p)),
+            params,
+        )
+        return jax.tree.map(
+            lambda s, shard: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard),
+            shapes,
+            sh.state,
+        )
+
+    def _save(self, global_step: int, state: TrainState, meta: dict[str, Any]) -> None:
+        config = json.loads(json.dumps(self.config.to_dict()))  # tuples -> lists, as JSON has
+        meta = dict(meta, global_step=global_step, config=config)
+        self.checkpointer.save(global_step, state, meta)
+
+    def _restore(self) -> tuple[int, TrainState | None, dict[str, Any]]:
+        """The newest readable checkpoint; a corrupt one is skipped with a warning (in step with
+        every process of a multi-host run)."""
+        if self.checkpointer.latest_step() is None:
+            return 0, None, {}
+        step, state, meta = self.checkpointer.restore(
+            lambda step, meta: self._abstract_state(self._phase_of(step))
+        )
+        print(f"resuming from checkpoint {step} ({meta.get('phase')})")
+        if self.writer.enabled:
+            truncate_metrics(self.writer.path, step)
+        return step, state, meta
+
+    @staticmethod
+    def _check_finite(metrics: dict[str, float], phase: str, step: int, last_good) -> None:
+        bad = [k for k in ("loss", "grad_norm") if k in metrics and not math.isfinite(metrics[k])]
+        if bad:
+            raise TrainingDiverged(
+                f"{phase} step {step}: {', '.join(f'{k}={metrics[k]}' for k in bad)}; stopping "
+                f"without saving. The last good checkpoint is step {last_good}."
+            )
+
+    # --------------------------------------------------------------------------- warm start
+
+    def _sft_batch(self, indices: list[int]):
+        if self._demos is None:
+            self._demos = demonstrations(self.train_tasks, self.tokenizer)
+        rows = [self._demos[i] for i in indices]
+        T = max(len(r.ids) for r in rows)
+        tokens = np.full((len(rows), T), self.pad_id, np.int32)
+        roles = np.zeros((len(rows), T), np.int8)
+        segments = np.zeros((len(rows), T), np.int32)
+        for b, r in enumerate(rows):
+            n = len(r.ids)
+            tokens[b, :n], roles[b, :n], segments[b, :n] = r.ids, r.roles, r.segments
+        batch = from_numpy(
+            tokens=tokens,
+            roles=roles,
+            segments=segments,
+            lengths=[len(r.ids) for r in rows],
+            group=np.arange(len(rows)),
+            reward=np.zeros(len(rows)),
+        )
+        batch = pad_to_bucket(batch, self.config.rollout.length_buckets, pad_id=self.pad_id)
+        return shard_batch(batch, self.sft_shardings)
+
+    def _run_sft(self, state: TrainState, start: int) -> TrainState:
+        s = self.config.schedule
+        stream = TaskStream(
+            range(len(self.train_tasks)), self.config.seed, position=start * s.sft_batch_size
+        )
+        progress = Progress("warm start", self.sft_steps, start)
+        last_good = start
+        for step in range(start + 1, self.sft_steps + 1):
+            batch = self._sft_batch(stream.next_indices(s.sft_batch_size))
+            state, metrics = self.sft_step(state, batch)
+            if step % s.log_every == 0 or step == self.sft_steps:
+                m = {k: float(v) for k, v in metrics.items()}
+                self._check_finite(m, "warm-start", step, last_good)
+                self.writer.write(step, "sft", m)
+                progress.update(step, loss=m["loss"], nll=m["nll"])
+            if step % s.checkpoint_every == 0 and step < self.sft_steps:
+                m = {k: float(v) for k, v in metrics.items()}
+                self._check_finite(m, "warm-start", step, last_good)
+                self._save(step, state, {"phase": "sft", "data_position": stream.position})
+                last_good = step
+        return state
+
+    # -------------------------------------------------------------------------- evaluation
+
+    def evaluate(self, params, tasks, key) -> EvalResult:
+        self.host_sampler.set_params(params)
+        self.rehearse_sampler.set_params(params)
+        e = self.config.eval
+        sampling = SamplingParams(greedy=True) if e.greedy else SamplingParams(temperature=1.0)
+        results = real_env_rollouts(
+            self.host_sampler,
+            self.tokenizer,
+            tasks,
+            self.make_env,
+            key=key,
+            sampling=sampling,
+            max_new_tokens=e.max_new_tokens,
+        )
+        m = real_env_metrics(results)
+        fidelity = 0.0
+        if e.fidelity_tasks:
+            fid_tasks = tasks[: e.fidelity_tasks]
+            rb = rehearsal_rollouts(
+                self.rehearse_sampler,
+                self.tokenizer,
+                fid_tasks,
+                group_size=1,
+                key=jax.random.fold_in(key, 1),
+                sampling=sampling,
+                max_new_tokens=e.max_new_tokens,
+                length_buckets=self.config.rollout.length_buckets,
+            )
+            fidelity, _ = rehearsal_fidelity(rb.episodes, fid_tasks, self.make_env)
+        return EvalResult(
+            m["success"], m["reward"], m["tool_error_rate"], m["invalid_rate"], fidelity
+        )
+
+    # --------------------------------------------------------------------------------- RL
+
+    def _run_rl(self, state: TrainState, start: int, meta: dict[str, Any]) -> TrainState:
+        r, s = self.config.rollout, self.config.schedule
+        rl_start = start - self.sft_steps
+        stream = TaskStream(
+            range(len(self.train_tasks)), self.config.seed + 1, position=rl_start * r.tasks_per_step
+        )
+        sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p)
+        progress = Progress("EnvACE RL", self.rl_steps, rl_start)
+        last_good = start
+        for rl_step in range(rl_start + 1, self.rl_steps + 1):
+            g = self.sft_steps + rl_step
+            t0 = time.time()
+            tasks = [self.train_tasks[i] for i in stream.next_indices(r.tasks_per_step)]
+            self.rehearse_sampler.set_params(state.params)
+            rb = rehearsal_rollouts(
+                self.rehearse_sampler,
+                self.tokenizer,
+                tasks,
+                group_size=r.group_size,
+                key=jax.random.fold_in(self.key, g),
+                sampling=sampling,
+                max_new_tokens=r.max_new_tokens,
+                length_buckets=r.length_buckets,
+            )
+            t1 = time.time()
+            state, metrics = self.grpo_step(state, shard_batch(rb.batch, self.rl_shardings))
+            m = {k: float(v) for k, v in metrics.items()}
+            self._check_finite(m, "RL", g, last_good)
+            m.update({f"rollout_{k}": v for k, v in rb.stats.items()})
+            m.update(rollout_s=t1 - t0, update_s=time.time() - t1)
+            self.writer.write(rl_step, "rl", m, global_step=g)
+            progress.update(rl_step, reward=rb.stats["reward"], loss=m["loss"])
+            if s.eval_every and rl_step % s.eval_every == 0 and rl_step < self.rl_steps:
+                ev = self.evaluate(
+                    state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, g)
+                )
+                self.writer.write(rl_step, "eval", ev.as_dict(), global_step=g)
+                print(f"[eval] RL step {rl_step}: {ev.as_dict()}")
+            if rl_step % s.checkpoint_every == 0 and rl_step < self.rl_steps:
+                self._save(g, state, {**meta, "phase": "rl", "data_position": stream.position})
+                last_good = g
+        return state
+
+    # ------------------------------------------------------------------------------- run
+
+    def run(self) -> dict[str, Any]:
+        t_start = time.time()
+        step, state, meta = self._restore()
+        if state is None:
+            state = self._fresh_state(nnx.state(self.model, nnx.Param), "sft")
+        if step < self.sft_steps:
+            state = self._run_sft(state, step)
+            step = self.sft_steps
+        if "sft_eval" not in meta:
+            ev = self.evaluate(state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, 0))
+            meta = {"phase": "rl", "sft_eval": ev.as_dict()}
+            self.writer.write(0, "eval", ev.as_dict(), global_step=step)
+            print(f"[eval] warm start: {ev.as_dict()}")
+            if self.rl_steps:
+                # The RL phase starts from a fresh optimizer; checkpoint that boundary.
+                state = self._fresh_state(state.params, "rl")
+                self._save(step, state, {**meta, "data_position": 0})
+        if self.rl_steps:
+            state = self._run_rl(state, step, meta)
+        final = self.evaluate(
+            state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, 2**30)
+        )
+        last = self.sft_steps + self.rl_steps
+        self.writer.write(self.rl_steps, "eval", final.as_dict(), global_step=last)
+        self._save(
+            self.sft_steps + self.rl_steps,
+            state,
+            {**meta, "phase": "done", "final_eval": final.as_dict()},
+        )
+        self.checkpointer.wait()
+        return self._finish(state, meta["sft_eval"], final, time.time() - t_start)
+
+    def _finish(self, state, sft_eval: dict, final: EvalResult, seconds: float) -> dict[str, Any]:
+        rows = read_metrics(self.writer.path)
+        png = os.path.join(self.workdir, "curves.png")
+        plot_curves(
+            rows,
+            png,
+            [
+                ("rl", "rollout_reward", "rehearsal reward (train)"),
+                ("eval", "success", "real-env success (held out)"),
+                ("eval", "fidelity", "rehearsal fidelity (held out)"),
+            ],
+        )
+        header = ["policy", "success", "reward", "tool errors", "invalid", "fidelity"]
+        keys = ["success", "reward", "tool_error_rate", "invalid_rate", "fidelity"]
+        summary = table(
+            [
+                ["warm start (SFT)"] + [sft_eval[k] for k in keys],
+                ["EnvACE RL"] + [final.as_dict()[k] for k in keys],
+            ],
+            header,
+        )
+        export = os.path.join(self.workdir, "export")
+        model = nnx.merge(self.graphdef, state.params, self.rest)
+        save_hf_model(model, model.cfg, export, tokenizer=self.tokenizer)
+        with open(os.path.join(self.workdir, "summary.md"), "w") as f:
+            f.write(summary + "\n")
+        print(f"\nHeld-out real-environment evaluation ({len(self.eval_tasks)} tasks):\n{summary}")
+        outputs = "metrics.jsonl, tensorboard/, curves.png, summary.md, checkpoints/, export/"
+        print(f"\nworkdir: {self.workdir} ({outputs})")
+        print(f"total time {seconds:.0f}s")
+        self.writer.close()
+        self.checkpointer.close()
+        return {"sft": sft_eval, "final": final.as_dict(), "seconds": seconds}
