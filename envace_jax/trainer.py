@@ -57,7 +57,7 @@ from envace_jax.rl.steps import (
     shard_batch,
 )
 from envace_jax.rollout.real_env import real_env_metrics, real_env_rollouts, rehearsal_fidelity
-from envace_jax.rollout.world_rehearsal import rehearsal_rollouts
+from envace_jax.rollout.world_rehearsal import RolloutBatch, rehearsal_rollouts
 from envace_jax.sampling.chat_spec import turn_spec
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.sampler import Sampler
@@ -181,10 +181,16 @@ class Trainer:
 
     # --------------------------------------------------------------------------- warm start
 
+    def sft_examples(self) -> list:
+        """Warm-start sequences (`text.trajectory.EncodedConversation`), one per training task:
+        its oracle conversation, actions as ACT and the real environment's responses as
+        REHEARSE targets."""
+        return demonstrations(self.train_tasks, self.tokenizer)
+
     def _sft_batch(self, indices: list[int]):
         if self._demos is None:
-            self._demos = demonstrations(self.train_tasks, self.tokenizer)
-        rows = [self._demos[i] for i in indices]
+            self._demos = self.sft_examples()
+        rows = [self._demos[i % len(self._demos)] for i in indices]
         T = max(len(r.ids) for r in rows)
         tokens = np.full((len(rows), T), self.pad_id, np.int32)
         roles = np.zeros((len(rows), T), np.int8)
@@ -205,8 +211,10 @@ class Trainer:
 
     def _run_sft(self, state: TrainState, start: int) -> TrainState:
         s = self.config.schedule
+        if self._demos is None:
+            self._demos = self.sft_examples()
         stream = TaskStream(
-            range(len(self.train_tasks)), self.config.seed, position=start * s.sft_batch_size
+            range(len(self._demos)), self.config.seed, position=start * s.sft_batch_size
         )
         progress = Progress("warm start", self.sft_steps, start)
         last_good = start
@@ -262,6 +270,22 @@ class Trainer:
 
     # --------------------------------------------------------------------------------- RL
 
+    def rollouts(self, params, tasks, key, sampling: SamplingParams) -> RolloutBatch:
+        """The RL phase's judged training batch for `tasks` (config.mode 'envace': world
+        rehearsal by the policy itself, no environment)."""
+        r = self.config.rollout
+        self.rehearse_sampler.set_params(params)
+        return rehearsal_rollouts(
+            self.rehearse_sampler,
+            self.tokenizer,
+            tasks,
+            group_size=r.group_size,
+            key=key,
+            sampling=sampling,
+            max_new_tokens=r.max_new_tokens,
+            length_buckets=r.length_buckets,
+        )
+
     def _run_rl(self, state: TrainState, start: int, meta: dict[str, Any]) -> TrainState:
         r, s = self.config.rollout, self.config.schedule
         rl_start = start - self.sft_steps
@@ -275,17 +299,7 @@ class Trainer:
             g = self.sft_steps + rl_step
             t0 = time.time()
             tasks = [self.train_tasks[i] for i in stream.next_indices(r.tasks_per_step)]
-            self.rehearse_sampler.set_params(state.params)
-            rb = rehearsal_rollouts(
-                self.rehearse_sampler,
-                self.tokenizer,
-                tasks,
-                group_size=r.group_size,
-                key=jax.random.fold_in(self.key, g),
-                sampling=sampling,
-                max_new_tokens=r.max_new_tokens,
-                length_buckets=r.length_buckets,
-            )
+            rb = self.rollouts(state.params, tasks, jax.random.fold_in(self.key, g), sampling)
             t1 = time.time()
             state, metrics = self.grpo_step(state, shard_batch(rb.batch, self.rl_shardings))
             m = {k: float(v) for k, v in metrics.items()}
