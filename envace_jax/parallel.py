@@ -20,6 +20,7 @@ without an active mesh they are no-ops, so the same model code runs unsharded on
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -30,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 log = logging.getLogger(__name__)
@@ -335,3 +337,92 @@ def initialize_distributed(env: Mapping[str, str] | None = None) -> bool:
         jax.device_count(),
     )
     return True
+
+
+# ------------------------------------------------------------ host rows <-> global arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """Which rows of a global batch of `size` rows this process builds and reads back.
+
+    Under a multi-process mesh every process holds only some rows of a batch-sharded array:
+    `rows` (sorted global row indices) are those its devices hold under the 'batch' rule. Host
+    work (reading records, tokenising, judging) is done for these rows only; `to_global`
+    assembles the global array from every process's rows and `to_local` reads this process's
+    rows back. A batch the mesh cannot split over processes (rows not divisible by the batch
+    axes) is replicated, and then every process supplies every row. Without a mesh (or with one
+    process), `rows` is every row and the conversions are plain host <-> device copies.
+    """
+
+    mesh: Mesh | None
+    rules: Rules
+    size: int
+    rows: np.ndarray  # int64 [n], sorted
+
+    def sharding(self, shape: Sequence[int]) -> NamedSharding:
+        """The NamedSharding of a [size, ...] array: rows by the 'batch' rule, rest replicated."""
+        axes = ("batch",) + (None,) * (len(shape) - 1)
+        return logical_to_sharding(axes, self.mesh, self.rules, tuple(shape))
+
+    def to_global(self, local: Any) -> jax.Array:
+        """[len(rows), ...] host rows -> the global [size, ...] array (a collective)."""
+        local = np.asarray(local)
+        if local.shape[:1] != (len(self.rows),):
+            raise ValueError(
+                f"RowLayout.to_global: expected this process's {len(self.rows)} rows, got an "
+                f"array of shape {local.shape}"
+            )
+        if self.mesh is None:
+            return jax.numpy.asarray(local)
+        shape = (self.size,) + local.shape[1:]
+        return jax.make_array_from_process_local_data(self.sharding(shape), local, shape)
+
+    def to_local(self, x: jax.Array) -> np.ndarray:
+        """This process's rows [len(rows), ...] of a global [size, ...] array, on the host."""
+        if x.shape[:1] != (self.size,):
+            raise ValueError(f"RowLayout.to_local: expected [{self.size}, ...], got {x.shape}")
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(x)[self.rows]
+        out = np.empty((len(self.rows),) + x.shape[1:], x.dtype)
+        filled = np.zeros(out.shape, bool)
+        where = {int(r): i for i, r in enumerate(self.rows)}
+        for shard in x.addressable_shards:
+            index = shard.index
+            first = range(self.size)[index[0]]
+            if not first or first[0] not in where:
+                continue
+            start = where[first[0]]
+            box = (slice(start, start + len(first)),) + tuple(index[1:])
+            out[box] = np.asarray(shard.data)
+            filled[box] = True
+        if not filled.all():  # rows sharded along another axis too: gather them
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))[self.rows]
+        return out
+
+
+def row_layout(mesh: Mesh | None, size: int, rules: Sequence[tuple[str, Any]] | None = None):
+    """The `RowLayout` of a global batch of `size` rows on `mesh` (None: one process, all rows)."""
+    if mesh is None:
+        return RowLayout(None, current_rules(), size, np.arange(size))
+    rules = current_rules() if rules is None else _check_rules(rules)
+    sharding = logical_to_sharding(("batch",), mesh, rules, (size,))
+    rows = set()
+    for index in sharding.addressable_devices_indices_map((size,)).values():
+        rows.update(range(size)[index[0]])
+    return RowLayout(mesh, rules, size, np.asarray(sorted(rows), np.int64))
+
+
+def process_max(value: int) -> int:
+    """The largest `value` over all processes (a collective; the value itself with one)."""
+    if jax.process_count() == 1:
+        return int(value)
+    return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int64))))
+
+
+def process_sum(values: Any) -> np.ndarray:
+    """Element-wise sum of a float vector over all processes (a collective)."""
+    values = np.asarray(values, np.float64)
+    if jax.process_count() == 1:
+        return values
+    return np.asarray(multihost_utils.process_allgather(values)).sum(axis=0)

@@ -44,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from envace_jax.models.decoder import KVCache, init_cache
+from envace_jax.models.decoder import CACHE_LOGICAL_AXES, KVCache, init_cache
+from envace_jax.parallel import with_logical_constraint
 from envace_jax.sampling.distributions import SamplingParams, sample_next
 from envace_jax.text.trajectory import Role
 
@@ -172,6 +173,8 @@ def init_state(
 
     tokens = jnp.zeros((B, max_len), jnp.int32).at[:, :P].set(prompts)
     cache = init_cache(model.cfg, B, max_len)
+    # Under a mesh (a sampler row layout), the cache is split over devices like the rows.
+    cache = jax.tree.map(lambda a: with_logical_constraint(a, CACHE_LOGICAL_AXES), cache)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     _, cache = model(prompts, positions, cache=cache)
     budget = jnp.minimum(prompt_lens + jnp.asarray(max_new_tokens, jnp.int32), max_len)

@@ -8,10 +8,18 @@
 Prompt lengths and buffer lengths are rounded up to power-of-two buckets so that a run compiles
 a handful of programs, not one per batch. The decode state (with its KV cache) is donated to
 each compiled call, so the cache is updated in place.
+
+Multi-host (`layout=parallel.row_layout(mesh, B)`): the batch is global, its rows split over
+processes like the train step's. Each process passes only its rows (`layout.rows`) and gets
+only those back (`trajectories`); the compiled calls run on the global mesh (the train step's)
+under its logical-axis rules, and bucket sizes are agreed between processes so every process
+compiles and runs the same program.
 """
 
 from __future__ import annotations
 
+import contextlib
+import types
 from collections.abc import Sequence
 
 import jax
@@ -19,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from envace_jax import parallel
 from envace_jax.sampling import loop
 from envace_jax.sampling.distributions import SamplingParams
 
@@ -72,36 +81,40 @@ class Sampler:
         max_new_tokens: int | Sequence[int],
         user_turns: Sequence[Sequence[Sequence[int]]] | None = None,
         max_len: int | None = None,
+        layout: parallel.RowLayout | None = None,
     ) -> loop.LoopState:
         """Prefills `prompts` and decodes until every row stops or pauses.
 
         max_new_tokens: the token budget on top of each prompt (one for all rows, or per row).
         max_len: the buffer length (default: a bucket that fits the longest prompt + budget).
+        layout: the global batch's row layout; `prompts` are then this process's rows.
         """
         if not prompts or min(len(p) for p in prompts) < 1:
             raise ValueError("Sampler.start: every prompt needs at least one token")
         budget = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (len(prompts),))
-        longest = max(len(p) for p in prompts)
+        longest = _agreed(max(len(p) for p in prompts), layout)
         P = bucket(longest)
-        T = max_len or bucket(longest + int(budget.max()))
+        T = max_len or bucket(longest + _agreed(int(budget.max()), layout))
         if T < longest + 1:
             raise ValueError(f"max_len {T} leaves no room after a {longest}-token prompt")
-        ut, ut_lens = self._user_turns(user_turns, len(prompts))
-        state = self._init(
-            self.graphdef,
-            self.params,
-            jnp.asarray(pad_rows(prompts, P, self.pad_id)),
-            jnp.asarray([len(p) for p in prompts], jnp.int32),
-            key=key,
-            spec=self.spec,
-            max_len=T,
-            max_new_tokens=jnp.asarray(budget),
-            user_turns=ut,
-            user_turn_lens=ut_lens,
-        )
-        return self._decode(
-            self.graphdef, self.params, state, spec=self.spec, sampling=sampling, max_steps=T
-        )
+        ut, ut_lens = self._user_turns(user_turns, len(prompts), layout)
+        put = lambda x: _put(x, layout)
+        with _on_mesh(layout):
+            state = self._init(
+                self.graphdef,
+                self.params,
+                put(pad_rows(prompts, P, self.pad_id)),
+                put(np.asarray([len(p) for p in prompts], np.int32)),
+                key=key,
+                spec=self.spec,
+                max_len=T,
+                max_new_tokens=put(np.asarray(budget)),
+                user_turns=None if ut is None else put(ut),
+                user_turn_lens=None if ut is None else put(ut_lens),
+            )
+            return self._decode(
+                self.graphdef, self.params, state, spec=self.spec, sampling=sampling, max_steps=T
+            )
 
     def resume(
         self,
@@ -109,20 +122,35 @@ class Sampler:
         observations: Sequence[Sequence[int] | None],
         *,
         sampling: SamplingParams,
+        layout: parallel.RowLayout | None = None,
     ) -> loop.LoopState:
         """Host turns: appends each paused row's observation ids (None/empty: nothing) and
-        decodes on. The observation ids include the chat glue around the tool responses."""
-        C = bucket(max((len(o) for o in observations if o), default=1))
+        decodes on. The observation ids include the chat glue around the tool responses.
+        With a `layout`, `observations` are this process's rows (every process calls this)."""
+        C = bucket(_agreed(max((len(o) for o in observations if o), default=1), layout))
         chunk = pad_rows([o or [] for o in observations], C, self.pad_id)
         lens = np.asarray([len(o or []) for o in observations], np.int32)
-        state = self._append(self.graphdef, self.params, state, jnp.asarray(chunk), lens)
-        T = state.tokens.shape[1]
-        return self._decode(
-            self.graphdef, self.params, state, spec=self.spec, sampling=sampling, max_steps=T
-        )
+        with _on_mesh(layout):
+            state = self._append(
+                self.graphdef, self.params, state, _put(chunk, layout), _put(lens, layout)
+            )
+            T = state.tokens.shape[1]
+            return self._decode(
+                self.graphdef, self.params, state, spec=self.spec, sampling=sampling, max_steps=T
+            )
 
-    def generate(self, prompts, *, key, sampling, max_new_tokens, user_turns=None, max_len=None):
-        """`start` then copy to the host: a `loop.Trajectories`."""
+    def generate(
+        self,
+        prompts,
+        *,
+        key,
+        sampling,
+        max_new_tokens,
+        user_turns=None,
+        max_len=None,
+        layout: parallel.RowLayout | None = None,
+    ) -> loop.Trajectories:
+        """`start` then copy (this process's rows) to the host: a `loop.Trajectories`."""
         state = self.start(
             prompts,
             key=key,
@@ -130,20 +158,66 @@ class Sampler:
             max_new_tokens=max_new_tokens,
             user_turns=user_turns,
             max_len=max_len,
+            layout=layout,
         )
-        return loop.to_trajectories(state, self.pad_id)
+        return self.trajectories(state, layout)
 
-    def _user_turns(self, user_turns, batch):
-        if not user_turns or not any(user_turns):
+    def trajectories(
+        self, state: loop.LoopState, layout: parallel.RowLayout | None = None
+    ) -> loop.Trajectories:
+        """The state's rows on the host (with a layout: this process's rows only)."""
+        if layout is None:
+            return loop.to_trajectories(state, self.pad_id)
+        fields = ("tokens", "roles", "segments", "logprobs", "length", "status", "act_turns")
+        local = {k: layout.to_local(getattr(state, k)) for k in fields}
+        return loop.to_trajectories(types.SimpleNamespace(**local), self.pad_id)
+
+    def set_status(
+        self,
+        state: loop.LoopState,
+        status: np.ndarray,
+        layout: parallel.RowLayout | None = None,
+    ) -> loop.LoopState:
+        """Replaces the rows' status (host int8 [B], or this process's rows with a layout)."""
+        status = np.asarray(status, np.int8)
+        with _on_mesh(layout):
+            return state.replace(status=_put(status, layout))
+
+    def _user_turns(self, user_turns, batch, layout=None):
+        if layout is None and (not user_turns or not any(user_turns)):
             return None, None
+        user_turns = user_turns or [[] for _ in range(batch)]
         if len(user_turns) != batch:
             raise ValueError(f"user_turns has {len(user_turns)} rows for {batch} prompts")
-        U = max(len(t) for t in user_turns)
-        W = bucket(max((len(x) for t in user_turns for x in t), default=1), minimum=8)
+        U = _agreed(max(len(t) for t in user_turns), layout)
+        if U == 0:  # no process has later user turns
+            return None, None
+        W = bucket(
+            _agreed(max((len(x) for t in user_turns for x in t), default=1), layout), minimum=8
+        )
         ids = np.zeros((batch, U, W), np.int32)
         lens = np.zeros((batch, U), np.int32)
         for b, turns in enumerate(user_turns):
             for u, x in enumerate(turns):
                 ids[b, u, : len(x)] = x
                 lens[b, u] = len(x)
-        return jnp.asarray(ids), jnp.asarray(lens)
+        return ids, lens
+
+
+def _agreed(value: int, layout: parallel.RowLayout | None) -> int:
+    """The largest value over processes: every process must compile the same shapes."""
+    return int(value) if layout is None else parallel.process_max(value)
+
+
+def _put(x: np.ndarray, layout: parallel.RowLayout | None) -> jax.Array:
+    return jnp.asarray(x) if layout is None else layout.to_global(x)
+
+
+def _on_mesh(layout: parallel.RowLayout | None):
+    """The layout's mesh and rules, which the model's activation constraints read at trace time."""
+    if layout is None or layout.mesh is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(layout.mesh))
+    stack.enter_context(parallel.axis_rules(layout.rules))
+    return stack
