@@ -23,6 +23,9 @@ from envace_jax.rl.optim import OptimConfig
 MODES = ("envace",)  # Training modes (see docs); 'envace' = shared-parameter world rehearsal.
 
 
+JOBS = ("train", "rehearsal_eval")  # What envace_jax.main runs (envace_jax.jobs).
+
+
 class ConfigError(ValueError):
     """A config key is unknown, has the wrong type, or holds a value outside its range."""
 
@@ -37,6 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # Seeds parameter init, task generation order, sampling.
     c.mode = "envace"  # Training mode, one of MODES.
+    c.job = "train"  # What main runs: 'train' (the EnvACE job) or 'rehearsal_eval' (see rehearsal).
     c.tokenizer = "demo"  # 'demo' (shipped byte-level BPE) or a local HF tokenizer directory.
 
     c.model = ml_collections.ConfigDict()
@@ -87,6 +91,21 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.fidelity_tasks = 32  # Held-out tasks whose rehearsals are checked against the env.
     c.eval.max_new_tokens = 384  # Token budget of one evaluation episode.
 
+    c.rehearsal = ml_collections.ConfigDict()  # Test-time rehearsal (envace_jax.rollout.test_time).
+    c.rehearsal.sft_memory_fraction = 0.25  # Warm-start demos whose prompt carries a memory.
+    c.rehearsal.keep_warm_start = True  # Train job: save warm-start params in workdir/warm_start/.
+    c.rehearsal.checkpoint_dir = ""  # Eval: main job's workdir (or its checkpoints/); '' = workdir.
+    c.rehearsal.memory = "structured"  # Memory format: 'structured' or 'summary' (policy-written).
+    c.rehearsal.assessor = "rules"  # Assessment after each attempt: 'rules' or 'policy' (prompted).
+    c.rehearsal.budgets = (1, 2, 4, 8)  # Rehearsal budgets N evaluated (success-vs-N plot).
+    c.rehearsal.table_budget = 4  # The N of the summary table (one of budgets).
+    c.rehearsal.temperature = 1.0  # Sampling temperature of rehearsal attempts.
+    c.rehearsal.top_p = 1.0  # Nucleus sampling of rehearsal attempts (1.0 = off).
+    c.rehearsal.max_memory_tokens = 160  # Tokens of a policy-written assessment or summary.
+    c.rehearsal.tasks = 32  # Held-out tasks per evaluation seed.
+    c.rehearsal.seeds = 3  # Evaluation seeds (task sets, keys); tables give mean and std.
+    c.rehearsal.split = "test"  # Task split evaluated ('test' is never used by the train job).
+
     c.generate = ml_collections.ConfigDict()
     c.generate.max_new_tokens = 48  # Tokens decoded by the sample run (`schedule` all zero).
     return c
@@ -119,6 +138,7 @@ _DTYPE = _choice("float32", "bfloat16")
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": _int(0),
     "mode": _choice(*MODES),
+    "job": _choice(*JOBS),
     "tokenizer": (lambda v: isinstance(v, str) and v != "", "'demo' or a tokenizer directory"),
     "model.preset": (lambda v: isinstance(v, str), "a preset name"),
     "model.hf_path": (lambda v: isinstance(v, str), "a directory path or ''"),
@@ -157,6 +177,26 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eval.fidelity_tasks": _int(0),
     "eval.max_new_tokens": _int(1),
     "generate.max_new_tokens": _int(1),
+    "rehearsal.sft_memory_fraction": _float(0.0, 1.0),
+    "rehearsal.keep_warm_start": (lambda v: isinstance(v, bool), "a bool"),
+    "rehearsal.checkpoint_dir": (lambda v: isinstance(v, str), "a workdir path or ''"),
+    "rehearsal.memory": _choice("structured", "summary"),
+    "rehearsal.assessor": _choice("rules", "policy"),
+    "rehearsal.budgets": (
+        lambda v: (
+            isinstance(v, (tuple, list))
+            and len(v) > 0
+            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v)
+        ),
+        "a non-empty tuple of positive integers",
+    ),
+    "rehearsal.table_budget": _int(1),
+    "rehearsal.temperature": _float(1e-6),
+    "rehearsal.top_p": _float(1e-6, 1.0),
+    "rehearsal.max_memory_tokens": _int(1),
+    "rehearsal.tasks": _int(1),
+    "rehearsal.seeds": _int(1),
+    "rehearsal.split": _choice("validation", "test"),
 }
 _DATACLASS_SECTIONS = {
     "sft": SFTConfig,
@@ -203,6 +243,12 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         rule = _RULES.get(path)
         if rule is not None and not rule[0](value):
             problems.append(f"config.{path} = {value!r}: expected {rule[1]}")
+    budgets = config.rehearsal.budgets
+    if isinstance(budgets, (tuple, list)) and config.rehearsal.table_budget not in budgets:
+        problems.append(
+            f"config.rehearsal.table_budget = {config.rehearsal.table_budget}: expected one of "
+            f"config.rehearsal.budgets {tuple(budgets)}"
+        )
     if sum(config.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) > 1:
         problems.append("config.mesh: at most one of data/fsdp/tensor may be -1")
     if problems:
