@@ -56,11 +56,14 @@ from envace_jax.rl.steps import (
     make_shardings,
     shard_batch,
 )
+from envace_jax.rollout.memory import memory_demonstrations
 from envace_jax.rollout.real_env import real_env_metrics, real_env_rollouts, rehearsal_fidelity
 from envace_jax.rollout.world_rehearsal import RolloutBatch, rehearsal_rollouts
 from envace_jax.sampling.chat_spec import turn_spec
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.sampler import Sampler
+
+WARM_START_DIR = "warm_start"  # workdir subdirectory holding the warm-start params
 
 
 class TrainingDiverged(RuntimeError):
@@ -179,13 +182,38 @@ class Trainer:
                 f"without saving. The last good checkpoint is step {last_good}."
             )
 
+    def _keep_warm_start(self, step: int, params, meta: dict[str, Any]) -> None:
+        """Saves the warm-start params (global step `step`) in workdir/warm_start/, apart from
+        the rotating checkpoints: test-time rehearsal evaluates them as a rehearser."""
+        keeper = ckpt_lib.Checkpointer(
+            os.path.join(self.workdir, WARM_START_DIR), keep=1, async_save=False
+        )
+        config = json.loads(json.dumps(self.config.to_dict()))
+        try:
+            keeper.save(step, params, {**meta, "phase": "warm_start", "config": config})
+        finally:
+            keeper.close()
+
     # --------------------------------------------------------------------------- warm start
 
     def sft_examples(self) -> list:
         """Warm-start sequences (`text.trajectory.EncodedConversation`), one per training task:
         its oracle conversation, actions as ACT and the real environment's responses as
-        REHEARSE targets."""
-        return demonstrations(self.train_tasks, self.tokenizer)
+        REHEARSE targets. For a fraction `rehearsal.sft_memory_fraction` of the tasks the prompt
+        also carries a rehearsal memory (exact, or partly wrong so that the policy learns to
+        check it; `rollout.memory`), which test-time rehearsal gives the committed run."""
+        demos = demonstrations(self.train_tasks, self.tokenizer)
+        fraction = self.config.rehearsal.sft_memory_fraction
+        if fraction > 0:
+            with_memory = memory_demonstrations(
+                self.train_tasks,
+                self.tokenizer,
+                self.make_env,
+                fraction=fraction,
+                seed=self.config.seed,
+            )
+            demos = [with_memory.get(i, d) for i, d in enumerate(demos)]
+        return demos
 
     def _sft_batch(self, indices: list[int]):
         if self._demos is None:
@@ -334,6 +362,8 @@ class Trainer:
             meta = {"phase": "rl", "sft_eval": ev.as_dict()}
             self.writer.write(0, "eval", ev.as_dict(), global_step=step)
             print(f"[eval] warm start: {ev.as_dict()}")
+            if self.config.rehearsal.keep_warm_start:
+                self._keep_warm_start(step, state.params, meta)
             if self.rl_steps:
                 # The RL phase starts from a fresh optimizer; checkpoint that boundary.
                 state = self._fresh_state(state.params, "rl")

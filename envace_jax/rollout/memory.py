@@ -1,0 +1,490 @@
+"""Rehearsal memory: what private rehearsals of a task leave for its one committed execution.
+
+A rehearsal attempt (`Attempt`) is a world-rehearsal trajectory of the task: the policy's tool
+calls, the responses it *expected* (rehearsed, never executed), and its final reply. After
+each attempt comes an `Assessment`: the problems found in it and a revision suggestion. The
+rule assessor here (`assess`) reads only what the agent itself has at test time (the task's
+opening messages, its tool list and the attempt), never the task's ground truth:
+
+* the attempt did not finish (unparseable message, token or turn limit, no final reply);
+* a rehearsed response is an error (the world, as the policy models it, refused the call);
+* an argument value is *ungrounded*: it appears neither in a user message nor in an earlier
+  rehearsed response (ids are to be taken from tool results);
+* a number in the final reply is ungrounded in the same sense.
+
+Memory formats. The memory is a text block inserted into the committed run's context:
+`insert_memory` appends it, after a blank line, to the last opening message of the task (its
+user instruction), so the chat layout, tools and system turn are left as they are.
+
+* ``structured`` (small models that cannot write summaries): the attempts are reduced to one
+  selected plan (`select_plan`: fewest problems first, then the plan most attempts share, then
+  the earliest) with the responses the rehearsals expect, and notes from the assessments of
+  attempts with problems::
+
+      Rehearsal memory (expected results, not real):
+      plan (3 of 4 rehearsals):
+      1. find_customer {"name": "Eli"} -> {"id": "C1", "account": "A59"}
+      2. cancel_order {"order_id": "O13"} -> {"id": "O13", "status": "cancelled", ...}
+      notes:
+      - refund {"order_id": "O46"} got bad_status; revise: check ids and states in the records
+
+  Arguments and responses are compact JSON, as in tool calls and tool responses. A plan with no
+  calls reads ``plan (k of N rehearsals): reply without tool calls``; no usable attempt reads
+  ``plan: none``. At most `MAX_NOTES` distinct notes are kept.
+* ``summary`` (real LLMs): the policy writes the memory itself from a summarisation prompt
+  that holds every attempt's transcript (`render_transcripts`) with its assessment; the text is
+  cleaned of chat-control tokens (`clean_generated`) and inserted under `SUMMARY_HEADER`.
+
+Warm start. A small policy has to learn to use a memory, and also to check it: a memory comes
+from imagined results and may be wrong. `memory_demonstrations` gives, for a fraction of the
+training tasks, the task's reference conversation with a structured memory in its prompt
+(the targets are unchanged, so the memory is context and never a target). The memory is one
+of three variants, drawn per task:
+
+* exact (`P_EXACT`): the reference plan and its real responses, high support;
+* wrong expectation (`P_WRONG_EXPECTATION`): the reference plan with one number of one expected
+  response changed (a world-model error); the target states the real value;
+* wrong plan (the rest): one argument of one call replaced by a look-alike value from the
+  context (another id, name or amount), the plan replayed in a fresh environment for the
+  responses a faithful rehearser would expect, and the rule assessor's notes on it; the target
+  is still the reference, so the policy learns to verify the plan against the task.
+
+Half of the memories also carry the notes of one more wrong-plan attempt (a rejected
+alternative, as parallel rehearsal produces).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from envace_jax.envs.base import error_code, observed_values, parse_result_text, result_text
+from envace_jax.rl.batch import STATUS_FINISHED, STATUS_INVALID
+from envace_jax.text.tokenizer import SPECIAL_TOKEN_TEXTS
+
+FORMATS = ("structured", "summary")
+HEADER = "Rehearsal memory (expected results, not real):"
+SUMMARY_HEADER = "Rehearsal memory (written from private rehearsals, not real):"
+HISTORY_HEADER = "Earlier private rehearsals (expected results, not real):"
+MAX_NOTES = 3
+MAX_RESPONSE_CHARS = 300  # a rehearsed response longer than this is cut in transcripts
+BUDGETS = (1, 2, 4, 8)  # support denominators drawn for warm-start memories
+P_EXACT, P_WRONG_EXPECTATION = 0.5, 0.25
+P_EXTRA_NOTES = 0.5
+
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?!\w|\.\d)")  # integers, not parts of ids or decimals
+_WORD = re.compile(r"[A-Za-z]+\d*")
+_ID = re.compile(r"[A-Za-z]+\d+")
+_THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
+
+
+# ----------------------------------------------------------------------------- attempts
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One private rehearsal of a task.
+
+    calls: (name, arguments) in order. responses: the rehearsed response text of each call
+    (None where the attempt stopped before one). final_reply: None if it never replied.
+    status: a trajectory-batch STATUS_* code; reason: why it is invalid, if it is."""
+
+    calls: tuple[tuple[str, Any], ...]
+    responses: tuple[str | None, ...]
+    final_reply: str | None
+    status: int
+    reason: str | None = None
+
+    @classmethod
+    def from_episode(cls, episode) -> Attempt:
+        """The attempt of a rehearsed `rollout.episodes.Episode`."""
+        responses: list[str | None] = [None] * len(episode.calls)
+        for i, text in episode.rehearsed:
+            if i < len(responses):
+                responses[i] = text
+        return cls(
+            calls=tuple((n, a) for n, a in episode.calls),
+            responses=tuple(responses),
+            final_reply=episode.final_reply,
+            status=int(episode.status),
+            reason=episode.invalid_reason,
+        )
+
+    def signature(self) -> tuple:
+        """What two attempts that made the same plan share: the calls, in order."""
+        return tuple((n, json.dumps(a, sort_keys=True)) for n, a in self.calls)
+
+
+@dataclasses.dataclass(frozen=True)
+class Assessment:
+    """Problems found in an attempt (empty: none found) and a revision suggestion. `text` is a
+    policy-written assessment when the policy assessed the attempt, else empty."""
+
+    problems: tuple[str, ...] = ()
+    revision: str = ""
+    text: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def note(self) -> str:
+        """One line for a memory's notes."""
+        if self.text:
+            return self.text
+        what = "; ".join(self.problems[:2]) if self.problems else "no problem found"
+        return f"{what}; revise: {self.revision}" if self.revision else what
+
+
+def _args_text(arguments: Any) -> str:
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def _call_text(name: str, arguments: Any) -> str:
+    return f"{name} {_args_text(arguments)}"
+
+
+def _user_text(task: Any) -> str:
+    return "\n".join(str(m.get("content") or "") for m in task.messages if m.get("role") == "user")
+
+
+def _grounded(value: Any, user_text: str, seen: Sequence[Any]) -> bool:
+    if value in seen:
+        return True
+    text = str(value)
+    return re.search(rf"(?<![\w]){re.escape(text)}(?![\w])", user_text) is not None
+
+
+def assess(task: Any, attempt: Attempt, *, require_finish: bool = True) -> Assessment:
+    """The rule assessment of `attempt` (see the module docstring); reads no ground truth.
+
+    require_finish: count an unfinished attempt (no final reply) as a problem."""
+    problems: list[str] = []
+    revisions: list[str] = []
+    if attempt.status == STATUS_INVALID:
+        problems.append(f"invalid message ({attempt.reason or 'unparseable'})")
+        revisions.append("write calls as JSON the tools accept")
+    elif require_finish and (attempt.status != STATUS_FINISHED or attempt.final_reply is None):
+        problems.append("no final reply")
+        revisions.append("make the calls, then reply")
+    user_text = _user_text(task)
+    seen: list[Any] = []
+    for (name, args), response in zip(attempt.calls, attempt.responses, strict=True):
+        if isinstance(args, Mapping):
+            for key, value in args.items():
+                if isinstance(value, (str, int)) and not isinstance(value, bool):
+                    if not _grounded(value, user_text, seen):
+                        problems.append(f"{name} {key}={_args_text(value)} is from no result")
+                        revisions.append("look the value up first")
+        if response is None:
+            continue
+        result = parse_result_text(response)
+        code = error_code(result)
+        if code is not None:
+            problems.append(f"{_call_text(name, args)} got {code}")
+            revisions.append("check ids, states and amounts in the records")
+        seen.extend(observed_values(result))
+    if attempt.final_reply is not None:
+        for number in _NUMBER.findall(attempt.final_reply):
+            if not _grounded(int(number), user_text, seen):
+                problems.append(f"reply states {number}, which no result gave")
+                revisions.append("state the value the last result gave")
+    revision = "; ".join(dict.fromkeys(revisions))  # distinct, in order
+    return Assessment(tuple(problems), revision)
+
+
+# ----------------------------------------------------------------------- selection, text
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The chosen attempt (None: no usable attempt), how many attempts made the same plan, and
+    how many there were."""
+
+    index: int | None
+    support: int
+    total: int
+
+
+def select_plan(attempts: Sequence[Attempt], assessments: Sequence[Assessment]) -> Selection:
+    """Fewest problems first; among those the plan most attempts share; then the earliest.
+    An attempt that is invalid before making any call is not usable."""
+    usable = [
+        i
+        for i, a in enumerate(attempts)
+        if a.calls or (a.status != STATUS_INVALID and a.final_reply is not None)
+    ]
+    if not usable:
+        return Selection(None, 0, len(attempts))
+    fewest = min(len(assessments[i].problems) for i in usable)
+    best = [i for i in usable if len(assessments[i].problems) == fewest]
+    votes: dict[tuple, int] = {}
+    for a in attempts:
+        votes[a.signature()] = votes.get(a.signature(), 0) + 1
+    chosen = max(best, key=lambda i: (votes[attempts[i].signature()], -i))
+    return Selection(chosen, votes[attempts[chosen].signature()], len(attempts))
+
+
+def render_plan_lines(attempt: Attempt) -> list[str]:
+    lines = []
+    for k, ((name, args), response) in enumerate(
+        zip(attempt.calls, attempt.responses, strict=True), start=1
+    ):
+        expected = response if response is not None else "?"
+        lines.append(f"{k}. {_call_text(name, args)} -> {expected}")
+    return lines
+
+
+def render_memory(
+    attempts: Sequence[Attempt],
+    assessments: Sequence[Assessment],
+    selection: Selection | None = None,
+    extra_notes: Sequence[str] = (),
+) -> str:
+    """The structured memory of `attempts` (see the module docstring for the format)."""
+    selection = selection or select_plan(attempts, assessments)
+    lines = [HEADER]
+    if selection.index is None:
+        lines.append("plan: none")
+    else:
+        chosen = attempts[selection.index]
+        head = f"plan ({selection.support} of {selection.total} rehearsals)"
+        if chosen.calls:
+            lines.append(head + ":")
+            lines += render_plan_lines(chosen)
+        else:
+            lines.append(head + ": reply without tool calls")
+    notes = [assessments[i].note() for i in range(len(attempts)) if not assessments[i].ok]
+    notes = list(dict.fromkeys(list(notes) + list(extra_notes)))[:MAX_NOTES]
+    if notes:
+        lines.append("notes:")
+        lines += [f"- {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def render_transcripts(
+    attempts: Sequence[Attempt], assessments: Sequence[Assessment], start: int = 1
+) -> str:
+    """Every attempt as plain text, each followed by its assessment (for policy prompts)."""
+    blocks = []
+    for k, (a, s) in enumerate(zip(attempts, assessments, strict=True), start=start):
+        lines = [f"Rehearsal {k}:"]
+        for (name, args), response in zip(a.calls, a.responses, strict=True):
+            lines.append(f"call {_call_text(name, args)}")
+            if response is not None:
+                cut = response[:MAX_RESPONSE_CHARS] + (
+                    "..." if len(response) > MAX_RESPONSE_CHARS else ""
+                )
+                lines.append(f"result {cut}")
+        if a.final_reply is not None:
+            lines.append(f"reply: {a.final_reply.strip()}")
+        elif a.status == STATUS_INVALID:
+            lines.append(f"(stopped: {a.reason or 'invalid message'})")
+        else:
+            lines.append("(stopped before a final reply)")
+        if s.text:
+            lines.append(s.text)
+        else:
+            lines.append("assessment: " + ("; ".join(s.problems) or "no problem found"))
+            if s.revision:
+                lines.append(f"revision: {s.revision}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def clean_generated(text: str, max_chars: int = 2000) -> str:
+    """Policy-written text made safe to insert into a chat turn: thinking blocks and every
+    chat-control / tool tag removed (so it cannot end the turn or open a call), trimmed."""
+    text = _THINK.sub("", text)
+    for tag in SPECIAL_TOKEN_TEXTS.values():
+        text = text.replace(tag, "")
+    return text.strip()[:max_chars].strip()
+
+
+def insert_memory(messages: Sequence[Mapping], memory: str | None) -> list[dict]:
+    """`messages` (a task's opening chat) with `memory` appended to the last message, after a
+    blank line; unchanged copies when `memory` is empty."""
+    out = [dict(m) for m in messages]
+    if memory:
+        last = out[-1]
+        last["content"] = f"{last.get('content') or ''}\n\n{memory}"
+    return out
+
+
+# -------------------------------------------------------------------------- warm start
+
+
+def reference_plan(task: Any) -> tuple[list[tuple[str, Any]], list[str]]:
+    """The calls and response texts of a task's reference conversation, in order."""
+    calls, responses = [], []
+    for m in task.reference_messages:
+        if m.get("role") == "assistant":
+            for c in m.get("tool_calls") or []:
+                fn = c.get("function", c)
+                args = fn.get("arguments")
+                calls.append((fn.get("name"), json.loads(args) if isinstance(args, str) else args))
+        elif m.get("role") == "tool":
+            responses.append(str(m.get("content") or ""))
+    return calls, responses
+
+
+def _shape(token: str) -> str | None:
+    m = re.fullmatch(r"([A-Za-z]+)(\d+)", token)
+    if m:
+        return m.group(1) + "#"
+    if re.fullmatch(r"[A-Z][a-z]+", token):
+        return "Name"
+    return None
+
+
+def _look_alike(rng: random.Random, value: Any, context: str) -> Any:
+    """A different value of the same kind: another id / capitalised name from the context, or
+    a nearby positive integer. None when the context offers none."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return max(1, value + rng.choice((-1, 1)) * rng.randint(1, max(2, abs(value) // 4)))
+    if isinstance(value, str) and _shape(value):
+        pool = sorted({t for t in _WORD.findall(context) if t != value})
+        pool = [t for t in pool if _shape(t) == _shape(value)]
+        return rng.choice(pool) if pool else None
+    return None
+
+
+def _context_text(task: Any, responses: Sequence[str]) -> str:
+    """Where look-alike values come from: user messages, responses, and the lines of other
+    messages that hold an id (records tables), not prose."""
+    lines = []
+    for m in task.messages:
+        text = str(m.get("content") or "")
+        if m.get("role") == "user":
+            lines.append(text)
+        else:
+            lines += [ln for ln in text.splitlines() if any(_shape(t) for t in _ID.findall(ln))]
+    return "\n".join(lines + list(responses))
+
+
+def _wrong_plan(
+    rng: random.Random, task: Any, make_env: Callable[[], Any]
+) -> tuple[Attempt, Assessment] | None:
+    """The reference plan with one argument replaced by a look-alike, replayed in a fresh
+    environment (its real responses are what a faithful rehearsal expects)."""
+    calls, responses = reference_plan(task)
+    context = _context_text(task, responses)
+    options = [
+        (i, key)
+        for i, (_, args) in enumerate(calls)
+        if isinstance(args, Mapping)
+        for key, v in args.items()
+        if _look_alike(random.Random(0), v, context) is not None
+    ]
+    if not options:
+        return None
+    i, key = rng.choice(options)
+    new = [(n, dict(a) if isinstance(a, Mapping) else a) for n, a in calls]
+    value = _look_alike(rng, calls[i][1][key], context)
+    if value == calls[i][1][key]:  # an integer clamped back to itself
+        value = calls[i][1][key] + 1
+    new[i][1][key] = value
+    env = make_env()
+    env.reset(task)
+    got = [result_text(env.step([{"name": n, "arguments": a}])[0]) for n, a in new]
+    attempt = Attempt(tuple(new), tuple(got), None, STATUS_FINISHED)
+    return attempt, assess(task, attempt, require_finish=False)
+
+
+def _wrong_expectation(rng: random.Random, responses: list[str]) -> list[str] | None:
+    """`responses` with one integer of one response changed."""
+    options = []
+    for i, text in enumerate(responses):
+        value = parse_result_text(text)
+        if error_code(value) is None:
+            options += [(i, path) for path in _int_paths(value)]
+    if not options:
+        return None
+    i, path = rng.choice(options)
+    value = json.loads(responses[i])
+    node = value
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = _look_alike(rng, node[path[-1]], "")
+    out = list(responses)
+    out[i] = result_text(value)
+    return out
+
+
+def _int_paths(value: Any, prefix: tuple = ()) -> list[tuple]:
+    if isinstance(value, Mapping):
+        return [p for k, v in value.items() for p in _int_paths(v, prefix + (k,))]
+    if isinstance(value, list):
+        return [p for k, v in enumerate(value) for p in _int_paths(v, prefix + (k,))]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [prefix]
+    return []
+
+
+def warm_start_memory(rng: random.Random, task: Any, make_env: Callable[[], Any]) -> str:
+    """A structured memory for `task` built from its reference solution: one of the variants of
+    the module docstring, drawn with `rng`."""
+    calls, responses = reference_plan(task)
+    total = rng.choice(BUDGETS)
+    draw = rng.random()
+    attempt = assessment = None
+    if draw >= P_EXACT + P_WRONG_EXPECTATION:
+        wrong = _wrong_plan(rng, task, make_env)
+        if wrong is not None:
+            attempt, assessment = wrong
+    elif draw >= P_EXACT:
+        changed = _wrong_expectation(rng, responses)
+        if changed is not None:
+            attempt, assessment = (
+                Attempt(tuple(calls), tuple(changed), None, STATUS_FINISHED),
+                Assessment(),
+            )
+    if attempt is None:
+        attempt, assessment = (
+            Attempt(tuple(calls), tuple(responses), None, STATUS_FINISHED),
+            Assessment(),
+        )
+        support = rng.randint(math.ceil(total / 2), total)
+    else:
+        support = rng.randint(1, total)
+    extra = []
+    if rng.random() < P_EXTRA_NOTES:
+        other = _wrong_plan(rng, task, make_env)
+        if other is not None and not other[1].ok:
+            extra.append(other[1].note())
+    return render_memory([attempt], [assessment], Selection(0, support, total), extra)
+
+
+def memory_demonstrations(
+    tasks: Sequence[Any],
+    tokenizer,
+    make_env: Callable[[], Any],
+    *,
+    fraction: float,
+    seed: int,
+) -> dict[int, Any]:
+    """Memory-conditioned warm-start sequences for a `fraction` of `tasks` (drawn with `seed`):
+    task index -> `EncodedConversation` of the reference conversation whose prompt carries a
+    `warm_start_memory` (ACT and REHEARSE targets as in the plain demonstrations)."""
+    from envace_jax.text.trajectory import encode_conversation
+
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"memory fraction must be in [0, 1], got {fraction}")
+    out = {}
+    pick = random.Random(seed)
+    for i, task in enumerate(tasks):
+        if pick.random() >= fraction:
+            continue
+        memory = warm_start_memory(random.Random(f"{seed}/{i}"), task, make_env)
+        n = len(task.messages)
+        messages = insert_memory(task.reference_messages[:n], memory)
+        messages += [dict(m) for m in task.reference_messages[n:]]
+        out[i] = encode_conversation(tokenizer, messages, task.template_tools, rehearse=True)
+    return out
