@@ -142,6 +142,9 @@ def build_episode(
                     {"role": "assistant", "content": action.content, "tool_calls": calls}
                 )
                 ep.calls += [(c.name, c.arguments) for c in action.calls]
+                if observations:  # host turns: the environment answered these calls
+                    messages += [{"role": "tool", "content": o} for o in observations.pop(0)]
+                    pending_calls = []
             else:
                 messages.append({"role": "assistant", "content": body})
                 if closed:

@@ -24,7 +24,7 @@ from envace_jax.rollout.episodes import Episode, build_episode, response_matches
 from envace_jax.rollout.world_rehearsal import task_prompts
 from envace_jax.sampling.chat_spec import observation_ids
 from envace_jax.sampling.distributions import SamplingParams
-from envace_jax.sampling.loop import Status, to_trajectories
+from envace_jax.sampling.loop import Status, Trajectories, to_trajectories
 from envace_jax.sampling.sampler import Sampler
 from envace_jax.text.tool_calls import parse_tool_calls
 from envace_jax.text.trajectory import Role
@@ -64,6 +64,30 @@ def real_env_rollouts(
 
     prompts: optional prompt ids per task (e.g. with a rehearsal memory in the context);
     default: the task's opening messages."""
+    return real_env_trajectories(
+        sampler,
+        tokenizer,
+        tasks,
+        make_env,
+        key=key,
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        prompts=prompts,
+    )[0]
+
+
+def real_env_trajectories(
+    sampler: Sampler,
+    tokenizer,
+    tasks: Sequence[Any],
+    make_env: Callable[[], Any],
+    *,
+    key: jax.Array,
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    prompts: Sequence[Sequence[int]] | None = None,
+) -> tuple[list[RealEpisode], Trajectories]:
+    """`real_env_rollouts`, and the sampled rows (observations are CONTEXT), for training."""
     if sampler.spec.mode != "host":
         raise ValueError("real_env_rollouts needs a sampler whose TurnSpec.mode is 'host'")
     default_prompts, users = task_prompts(tokenizer, tasks)
@@ -119,7 +143,7 @@ def real_env_rollouts(
                 ep, success, judge(task, ep.messages).score, call_errors[b], envs[b].state()
             )
         )
-    return results
+    return results, out
 
 
 def real_env_metrics(results: Sequence[RealEpisode]) -> dict[str, float]:

@@ -65,6 +65,26 @@ def rehearsal_rollouts(
     rewards = np.asarray(
         [judge(t, ep.messages).score for t, ep in zip(rows, episodes, strict=True)]
     )
+    group = np.repeat(np.arange(len(tasks)), group_size)
+    batch = judged_batch(
+        tokenizer, out, episodes, rewards, group, length_buckets, batch_size=batch_size
+    )
+    lengths = np.asarray([ep.end for ep in episodes], np.int32)
+    return RolloutBatch(batch, episodes, rows, rollout_stats(episodes, rewards, lengths))
+
+
+def judged_batch(
+    tokenizer,
+    out,
+    episodes: Sequence[Episode],
+    rewards: np.ndarray,
+    group: np.ndarray,
+    length_buckets: Sequence[int],
+    batch_size: int | None = None,
+) -> TrajectoryBatch:
+    """The training batch of sampled rows (`sampling.loop.Trajectories` [B, T]) and their
+    episodes: each row cut at its episode's end (an invalid message is its last), with its
+    reward [B] and group [B], padded to a length bucket (and to `batch_size` rows)."""
     lengths = np.asarray([ep.end for ep in episodes], np.int32)
     past = np.arange(out.tokens.shape[1])[None, :] >= lengths[:, None]
     batch = from_numpy(
@@ -73,14 +93,13 @@ def rehearsal_rollouts(
         segments=np.where(past, 0, out.segments),
         logprobs=np.where(past, 0.0, out.logprobs),
         lengths=lengths,
-        group=np.repeat(np.arange(len(tasks)), group_size),
+        group=group,
         reward=rewards,
         status=[ep.status for ep in episodes],
     )
-    batch = pad_to_bucket(
+    return pad_to_bucket(
         batch, length_buckets, batch_size=batch_size, pad_id=tokenizer.pad_token_id
     )
-    return RolloutBatch(batch, episodes, rows, rollout_stats(episodes, rewards, lengths))
 
 
 def rollout_stats(episodes: Sequence[Episode], rewards: np.ndarray, lengths: np.ndarray) -> dict:
