@@ -20,7 +20,9 @@ import ml_collections
 from envace_jax.rl.config import GRPOConfig, SFTConfig
 from envace_jax.rl.optim import OptimConfig
 
-MODES = ("envace",)  # Training modes (see docs); 'envace' = shared-parameter world rehearsal.
+# Training modes (envace_jax.rollout.modes): 'envace' = shared-parameter world rehearsal; the
+# baselines 'envace_noshare', 'grpo_real_env', 'external_simulator' and 'sft_only'.
+MODES = ("envace", "envace_noshare", "grpo_real_env", "external_simulator", "sft_only")
 
 
 JOBS = ("train", "rehearsal_eval")  # What envace_jax.main runs (envace_jax.jobs).
@@ -85,6 +87,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.schedule.checkpoint_every = 10  # Steps (SFT and RL) between checkpoints.
     c.schedule.keep_checkpoints = 3  # Checkpoints kept on disk.
     c.schedule.log_every = 10  # SFT steps between metric lines.
+    c.schedule.warm_start_dir = ""  # Workdir of a finished warm start to start RL from, or ''.
 
     c.eval = ml_collections.ConfigDict()
     c.eval.greedy = True  # Committed execution decodes greedily.
@@ -173,6 +176,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "schedule.checkpoint_every": _int(1),
     "schedule.keep_checkpoints": _int(1),
     "schedule.log_every": _int(1),
+    "schedule.warm_start_dir": (lambda v: isinstance(v, str), "a workdir path or ''"),
     "eval.greedy": (lambda v: isinstance(v, bool), "a bool"),
     "eval.fidelity_tasks": _int(0),
     "eval.max_new_tokens": _int(1),

@@ -4,9 +4,11 @@
 
 1. **Warm start.** Cross-entropy on oracle demonstrations of the training tasks, both roles: the
    agent's messages (ACT) and the real environment's responses (REHEARSE targets).
-2. **EnvACE RL.** Per step: `rollout.tasks_per_step` tasks x `rollout.group_size` trajectories in
-   world-rehearsal mode (no environment), judged by the rule judge on the rehearsed trajectory,
-   then one role-wise GRPO update of the shared policy.
+2. **RL.** Per step: `rollout.tasks_per_step` tasks x `rollout.group_size` trajectories, judged
+   by the rule judge, then one role-wise GRPO update. `config.mode` picks the rollouts and the
+   parameters (`rollout.modes`): 'envace' (the default) is world rehearsal by the shared policy,
+   with no environment; the baselines run through this same loop. A warm start can also be
+   loaded from another run's workdir (`schedule.warm_start_dir`), so modes share one.
 3. **Evaluation** of committed execution in the real environment on held-out tasks (after the
    warm start, every `schedule.eval_every` RL steps, and at the end): success, reward, tool-error
    rate, and rehearsal fidelity (rehearsed responses equal to the real environment's).
@@ -20,6 +22,7 @@ that never stopped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -30,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import nnx
+import optax
+from flax import nnx, struct
 
 from envace_jax import checkpoint as ckpt_lib
 from envace_jax.build import build_mesh, build_model, build_tokenizer
@@ -50,6 +54,7 @@ from envace_jax.rl.batch import from_numpy, pad_to_bucket
 from envace_jax.rl.optim import make_optimizer
 from envace_jax.rl.steps import (
     TrainState,
+    frozen_copy,
     init_train_state,
     make_grpo_step,
     make_sft_step,
@@ -57,7 +62,9 @@ from envace_jax.rl.steps import (
     shard_batch,
 )
 from envace_jax.rollout.memory import memory_demonstrations
+from envace_jax.rollout.modes import mode_spec, real_env_group_rollouts
 from envace_jax.rollout.real_env import real_env_metrics, real_env_rollouts, rehearsal_fidelity
+from envace_jax.rollout.role_models import role_decoders, role_state
 from envace_jax.rollout.world_rehearsal import RolloutBatch, rehearsal_rollouts
 from envace_jax.sampling.chat_spec import turn_spec
 from envace_jax.sampling.distributions import SamplingParams
@@ -68,6 +75,27 @@ WARM_START_DIR = "warm_start"  # workdir subdirectory holding the warm-start par
 
 class TrainingDiverged(RuntimeError):
     """A loss or gradient norm was NaN or inf."""
+
+
+@struct.dataclass
+class RoleParams:
+    """Parameters of modes whose roles have their own parameter sets."""
+
+    act: Any
+    rehearse: Any
+
+
+@struct.dataclass
+class RoleStates:
+    """RL state of those modes: ACT's train state and REHEARSE's (trained in 'envace_noshare';
+    frozen, with an empty optimizer state, in 'external_simulator')."""
+
+    act: TrainState
+    rehearse: TrainState
+
+    @property
+    def params(self) -> RoleParams:
+        return RoleParams(self.act.params, self.rehearse.params)
 
 
 @dataclasses.dataclass
@@ -94,7 +122,9 @@ class Trainer:
         self.key = jax.random.key(config.seed)
         self.eval_key = jax.random.fold_in(self.key, 2**31 - 1)  # a stream apart from training
         s = config.schedule
-        self.sft_steps, self.rl_steps = s.sft_steps, s.rl_steps
+        self.mode = mode_spec(config.mode)
+        self.sft_steps = s.sft_steps
+        self.rl_steps = 0 if self.mode.rollout == "none" else s.rl_steps
 
         self.train_tasks = generate_tasks(config.seed, config.data.train_tasks, split="train")
         self.eval_tasks = generate_tasks(config.seed, config.data.eval_tasks, split="validation")
@@ -113,13 +143,13 @@ class Trainer:
         self.sft_step = make_sft_step(
             self.model, self.sft_tx, self.steps_cfg["sft"], shardings=self.sft_shardings
         )
-        self.grpo_step = make_grpo_step(
-            self.model, self.rl_tx, self.steps_cfg["grpo"], shardings=self.rl_shardings
-        )
+        self.grpo_step = self._make_grpo_step()
         common = dict(max_turns=r.max_turns, max_message_tokens=r.max_message_tokens)
-        self.rehearse_sampler = Sampler(
-            self.model, turn_spec(self.tokenizer, mode="rehearse", **common), pad_id=self.pad_id
-        )
+        rehearse_spec = turn_spec(self.tokenizer, mode="rehearse", **common)
+        rehearser = self.model
+        if self.mode.role_params:  # one loop, ACT and REHEARSE tokens from their own params
+            rehearser = role_decoders(self.graphdef, params, params, rehearse_spec)
+        self.rehearse_sampler = Sampler(rehearser, rehearse_spec, pad_id=self.pad_id)
         self.host_sampler = Sampler(
             self.model, turn_spec(self.tokenizer, mode="host", **common), pad_id=self.pad_id
         )
@@ -129,18 +159,39 @@ class Trainer:
         self.writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
         self._demos = None
 
+    def _make_grpo_step(self):
+        """`step(state, batch) -> (state, metrics)` of the mode. With a parameter set per role,
+        each set's step trains only its role's tokens (role-wise advantages are per role, so
+        this is the shared objective split by role); a frozen rehearser is never updated."""
+        cfg = self.steps_cfg["grpo"]
+        make = lambda c: make_grpo_step(self.model, self.rl_tx, c, shardings=self.rl_shardings)
+        if not self.mode.role_params:
+            return make(cfg)
+        act_step = make(dataclasses.replace(cfg, train_roles=("act",)))
+        rehearse_step = None
+        if self.mode.rehearser == "separate":
+            rehearse_step = make(dataclasses.replace(cfg, train_roles=("rehearse",)))
+        return functools.partial(_role_grpo_step, act_step, rehearse_step)
+
     # ------------------------------------------------------------------ state and checkpoints
 
     def _phase_of(self, global_step: int) -> str:
         return "sft" if global_step < self.sft_steps or self.rl_steps == 0 else "rl"
 
-    def _fresh_state(self, params, phase: str) -> TrainState:
-        tx, sh = (
-            (self.sft_tx, self.sft_shardings) if phase == "sft" else (self.rl_tx, self.rl_shardings)
-        )
-        return init_train_state(params, tx, sh)
+    def _fresh_state(self, params, phase: str) -> TrainState | RoleStates:
+        if phase == "sft":
+            return init_train_state(params, self.sft_tx, self.sft_shardings)
+        act = init_train_state(params, self.rl_tx, self.rl_shardings)
+        if not self.mode.role_params:
+            return act
+        # Its own buffers: each set's step donates its state.
+        rehearse = frozen_copy(params)
+        if self.mode.rehearser == "separate":
+            return RoleStates(act, init_train_state(rehearse, self.rl_tx, self.rl_shardings))
+        step = jax.device_put(jnp.zeros((), jnp.int32), self.rl_shardings.replicated)
+        return RoleStates(act, TrainState(step, rehearse, optax.EmptyState()))
 
-    def _abstract_state(self, phase: str) -> TrainState:
+    def _abstract_state(self, phase: str) -> TrainState | RoleStates:
         tx, sh = (
             (self.sft_tx, self.sft_shardings) if phase == "sft" else (self.rl_tx, self.rl_shardings)
         )
@@ -149,11 +200,16 @@ class Trainer:
             lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p)),
             params,
         )
-        return jax.tree.map(
+        state = jax.tree.map(
             lambda s, shard: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard),
             shapes,
             sh.state,
         )
+        if phase == "sft" or not self.mode.role_params:
+            return state
+        if self.mode.rehearser == "separate":
+            return RoleStates(state, state)
+        return RoleStates(state, TrainState(state.step, state.params, optax.EmptyState()))
 
     def _save(self, global_step: int, state: TrainState, meta: dict[str, Any]) -> None:
         config = json.loads(json.dumps(self.config.to_dict()))  # tuples -> lists, as JSON has
@@ -172,6 +228,46 @@ class Trainer:
         if self.writer.enabled:
             truncate_metrics(self.writer.path, step)
         return step, state, meta
+
+    # Config sections that make two warm starts the same computation (the seed may differ: it
+    # then seeds this run's RL phase and held-out tasks only).
+    _WARM_START_KEYS = ("tokenizer", "model", "data", "sft", "sft_optim")
+
+    def _load_warm_start(self, workdir: str) -> tuple[int, TrainState, dict[str, Any]]:
+        """The finished warm start of another run (its checkpoint at step schedule.sft_steps,
+        e.g. a 'sft_only' run's last one), so that several modes start RL from the same
+        parameters. Its evaluation is reused when this run evaluates the same way (same seed
+        and eval settings). Raises naming what does not match this config."""
+        where = f"config.schedule.warm_start_dir={workdir!r}"
+        ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=1)
+        try:
+            if self.sft_steps not in ckpt.all_steps():
+                raise ValueError(
+                    f"{where}: no checkpoint at the end of a {self.sft_steps}-step warm start "
+                    f"(found steps {ckpt.all_steps()}); run it there with rl_steps=0 or "
+                    "mode='sft_only'"
+                )
+            step, state, meta = ckpt.restore(
+                lambda step, meta: self._abstract_state("sft"), step=self.sft_steps
+            )
+        finally:
+            ckpt.close()
+        if meta.get("phase") != "done" or "sft_eval" not in meta:
+            raise ValueError(f"{where}: step {step} is not a finished warm start")
+        ours = json.loads(json.dumps(self.config.to_dict()))
+        theirs = meta.get("config", {})
+        differ = [k for k in self._WARM_START_KEYS if ours.get(k) != theirs.get(k)]
+        s_ours, s_theirs = ours["schedule"], theirs.get("schedule", {})
+        differ += [
+            f"schedule.{k}" for k in ("sft_steps", "sft_batch_size") if s_ours[k] != s_theirs.get(k)
+        ]
+        if differ:
+            raise ValueError(f"{where}: that warm start was run with other {', '.join(differ)}")
+        print(f"warm start loaded from {workdir} (step {step})")
+        meta_out = {"warm_start_dir": workdir}
+        if all(ours[k] == theirs.get(k) for k in ("seed", "eval")):
+            meta_out["warm_start_eval"] = meta["sft_eval"]
+        return step, state, meta_out
 
     @staticmethod
     def _check_finite(metrics: dict[str, float], phase: str, step: int, last_good) -> None:
@@ -263,9 +359,23 @@ class Trainer:
 
     # -------------------------------------------------------------------------- evaluation
 
+    def _act_params(self, params):
+        return params.act if isinstance(params, RoleParams) else params
+
+    def _rehearsal_params(self, params):
+        """The rehearse sampler's params: the policy's, or both role sets (a single set, e.g.
+        the warm start's, plays both roles)."""
+        if not self.mode.role_params:
+            return params
+        if isinstance(params, RoleParams):
+            return role_state(params.act, params.rehearse)
+        return role_state(params, params)
+
     def evaluate(self, params, tasks, key) -> EvalResult:
-        self.host_sampler.set_params(params)
-        self.rehearse_sampler.set_params(params)
+        """Committed execution of `tasks` in the real environment by the ACT params, and the
+        fidelity of the REHEARSE player (whoever rehearses in this mode)."""
+        self.host_sampler.set_params(self._act_params(params))
+        self.rehearse_sampler.set_params(self._rehearsal_params(params))
         e = self.config.eval
         sampling = SamplingParams(greedy=True) if e.greedy else SamplingParams(temperature=1.0)
         results = real_env_rollouts(
@@ -299,10 +409,24 @@ class Trainer:
     # --------------------------------------------------------------------------------- RL
 
     def rollouts(self, params, tasks, key, sampling: SamplingParams) -> RolloutBatch:
-        """The RL phase's judged training batch for `tasks` (config.mode 'envace': world
-        rehearsal by the policy itself, no environment)."""
+        """The RL phase's judged training batch for `tasks`, by `config.mode`
+        (`rollout.modes`): world rehearsal (by the policy, by a policy per role, or with a
+        frozen simulator), or host turns in the real environment."""
         r = self.config.rollout
-        self.rehearse_sampler.set_params(params)
+        if self.mode.rollout == "real_env":
+            self.host_sampler.set_params(self._act_params(params))
+            return real_env_group_rollouts(
+                self.host_sampler,
+                self.tokenizer,
+                tasks,
+                self.make_env,
+                group_size=r.group_size,
+                key=key,
+                sampling=sampling,
+                max_new_tokens=r.max_new_tokens,
+                length_buckets=r.length_buckets,
+            )
+        self.rehearse_sampler.set_params(self._rehearsal_params(params))
         return rehearsal_rollouts(
             self.rehearse_sampler,
             self.tokenizer,
@@ -321,7 +445,7 @@ class Trainer:
             range(len(self.train_tasks)), self.config.seed + 1, position=rl_start * r.tasks_per_step
         )
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p)
-        progress = Progress("EnvACE RL", self.rl_steps, rl_start)
+        progress = Progress(f"RL {self.config.mode}", self.rl_steps, rl_start)
         last_good = start
         for rl_step in range(rl_start + 1, self.rl_steps + 1):
             g = self.sft_steps + rl_step
@@ -352,13 +476,20 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         t_start = time.time()
         step, state, meta = self._restore()
+        if state is None and self.config.schedule.warm_start_dir:
+            step, state, meta = self._load_warm_start(self.config.schedule.warm_start_dir)
         if state is None:
             state = self._fresh_state(nnx.state(self.model, nnx.Param), "sft")
         if step < self.sft_steps:
             state = self._run_sft(state, step)
             step = self.sft_steps
         if "sft_eval" not in meta:
-            ev = self.evaluate(state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, 0))
+            if "warm_start_eval" in meta:  # evaluated by the run it was loaded from
+                ev = EvalResult(**meta["warm_start_eval"])
+            else:
+                ev = self.evaluate(
+                    state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, 0)
+                )
             meta = {"phase": "rl", "sft_eval": ev.as_dict()}
             self.writer.write(0, "eval", ev.as_dict(), global_step=step)
             print(f"[eval] warm start: {ev.as_dict()}")
@@ -390,7 +521,7 @@ class Trainer:
             rows,
             png,
             [
-                ("rl", "rollout_reward", "rehearsal reward (train)"),
+                ("rl", "rollout_reward", "rollout reward (train)"),
                 ("eval", "success", "real-env success (held out)"),
                 ("eval", "fidelity", "rehearsal fidelity (held out)"),
             ],
@@ -400,13 +531,19 @@ class Trainer:
         summary = table(
             [
                 ["warm start (SFT)"] + [sft_eval[k] for k in keys],
-                ["EnvACE RL"] + [final.as_dict()[k] for k in keys],
+                [f"RL ({self.config.mode})"] + [final.as_dict()[k] for k in keys],
             ],
             header,
         )
-        export = os.path.join(self.workdir, "export")
-        model = nnx.merge(self.graphdef, state.params, self.rest)
-        save_hf_model(model, model.cfg, export, tokenizer=self.tokenizer)
+        # export/ holds the acting policy; a trained REHEARSE set goes to export_rehearse/.
+        exports = {"export": self._act_params(state.params)}
+        if self.mode.rehearser == "separate":
+            exports["export_rehearse"] = state.params.rehearse
+        for name, params in exports.items():
+            model = nnx.merge(self.graphdef, params, self.rest)
+            save_hf_model(
+                model, model.cfg, os.path.join(self.workdir, name), tokenizer=self.tokenizer
+            )
         with open(os.path.join(self.workdir, "summary.md"), "w") as f:
             f.write(summary + "\n")
         print(f"\nHeld-out real-environment evaluation ({len(self.eval_tasks)} tasks):\n{summary}")
@@ -416,3 +553,18 @@ class Trainer:
         self.writer.close()
         self.checkpointer.close()
         return {"sft": sft_eval, "final": final.as_dict(), "seconds": seconds}
+
+
+def _role_grpo_step(act_step, rehearse_step, state: RoleStates, batch):
+    """One GRPO update of each role's parameter set on the same batch (a frozen REHEARSE set,
+    `rehearse_step` None, is passed through). The loss and gradient norm reported are those of
+    both sets together."""
+    act, metrics = act_step(state.act, batch)
+    rehearse = state.rehearse
+    if rehearse_step is not None:
+        rehearse, m = rehearse_step(rehearse, batch)
+        for k in ("loss", "grad_norm", "entropy", "pg_clipfrac", "trained_tokens"):
+            metrics[f"rehearse_params/{k}"] = m[k]
+        metrics["loss"] = metrics["loss"] + m["loss"]
+        metrics["grad_norm"] = jnp.hypot(metrics["grad_norm"], m["grad_norm"])
+    return RoleStates(act, rehearse), metrics
