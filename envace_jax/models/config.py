@@ -287,6 +287,27 @@ class ModelConfig:
         return d
 
 
+def _qwen3(*, hidden: int, mlp: int, layers: int, heads: int, tied: bool) -> ModelConfig:
+    """A Qwen3 dense model: 8 KV heads of 128 dims, 151936-token vocabulary, rope theta 1e6."""
+    return ModelConfig(
+        family="qwen3",
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        qk_norm=True,
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
+
+
 # Presets. Sizes of the tests' tiny model are deliberately non-default (head_dim != E / H,
 # rope theta, eps) so that a loader or port that ignores one of them fails parity.
 PRESETS: dict[str, ModelConfig] = {
@@ -322,6 +343,11 @@ PRESETS: dict[str, ModelConfig] = {
         qk_norm=True,
         max_position_embeddings=4096,
     ),
+    # Qwen/Qwen3-1.7B, -4B, -8B (the paper's policies): the architectures their HF config.json
+    # files describe, for planning and random-init runs; training loads the checkpoint itself.
+    "qwen3-1.7b": _qwen3(hidden=2048, mlp=6144, layers=28, heads=16, tied=True),
+    "qwen3-4b": _qwen3(hidden=2560, mlp=9728, layers=36, heads=32, tied=True),
+    "qwen3-8b": _qwen3(hidden=4096, mlp=12288, layers=36, heads=32, tied=False),
     # HuggingFaceTB/SmolLM2-135M-Instruct.
     "smollm2-135m": ModelConfig(
         family="llama",

@@ -287,6 +287,11 @@ def _compile(fn, shardings: StepShardings | None, with_ref: bool):
         with jax.set_mesh(s.mesh), parallel.axis_rules(s.rules):
             return jitted(*args)
 
+    def lower(*args):
+        with jax.set_mesh(s.mesh), parallel.axis_rules(s.rules):
+            return jitted.lower(*args)
+
+    call.lower = lower  # ahead-of-time compilation, as `jax.jit(...).lower` (memory analysis)
     return call
 
 
