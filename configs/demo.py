@@ -4,6 +4,8 @@ Usage:
   python -m envace_jax.main --config configs/demo.py --workdir workdir/demo
   python -m envace_jax.main --config configs/demo.py:smoke --workdir /tmp/smoke   # seconds-long
   python -m envace_jax.main --config configs/demo.py --config.seed=1 --workdir ...  # overrides
+  python -m envace_jax.main --config configs/demo.py:rehearsal_eval --workdir workdir/demo
+      # test-time rehearsal table and plot of the trained workdir (after the train job)
 """
 
 from envace_jax.configuration import base_config
@@ -13,7 +15,12 @@ def get_config(variant: str | None = None):
     config = base_config()
     if variant in (None, ""):
         return config
-    if variant == "smoke":
+    if variant == "rehearsal_eval":
+        # Test-time rehearsal of a trained demo workdir (envace_jax.rehearsal_eval): pass the
+        # train job's --workdir, or --config.rehearsal.checkpoint_dir=<its workdir>.
+        config.job = "rehearsal_eval"
+        return config
+    if variant in ("smoke", "rehearsal_eval_smoke"):
         # Seconds-long run of the same pipeline, used by tests and CI.
         config.model.preset = "tiny-qwen3"
         config.data.train_tasks = 64
@@ -32,5 +39,14 @@ def get_config(variant: str | None = None):
         config.rollout.max_message_tokens = 32
         config.eval.fidelity_tasks = 2
         config.eval.max_new_tokens = 64
+        if variant == "rehearsal_eval_smoke":  # test-time rehearsal of a smoke workdir
+            config.job = "rehearsal_eval"
+            config.rehearsal.budgets = (1, 2)
+            config.rehearsal.table_budget = 2
+            config.rehearsal.tasks = 2
+            config.rehearsal.seeds = 2
         return config
-    raise ValueError(f"configs/demo.py: unknown variant {variant!r}; known: 'smoke'")
+    raise ValueError(
+        f"configs/demo.py: unknown variant {variant!r}; known: 'smoke', 'rehearsal_eval', "
+        "'rehearsal_eval_smoke'"
+    )

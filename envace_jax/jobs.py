@@ -1,4 +1,4 @@
-"""What `envace_jax.main` runs once the config is validated."""
+"""What `envace_jax.main` runs once the config is validated: the job `config.job` names."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import ml_collections
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """The EnvACE training job: warm start, world-rehearsal RL, real-environment evaluation."""
+    """'train': the EnvACE training job (warm start, world-rehearsal RL, real-environment
+    evaluation). 'rehearsal_eval': test-time rehearsal of a trained workdir
+    (`envace_jax.rehearsal_eval`)."""
+    if config.job == "rehearsal_eval":
+        from envace_jax.rehearsal_eval import run as rehearsal_eval
+
+        return rehearsal_eval(config, workdir)
     from envace_jax.trainer import Trainer
 
     return Trainer(config, workdir).run()

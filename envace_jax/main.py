@@ -38,7 +38,9 @@ def main(argv):
         sys.exit(2)
     workdir = os.path.abspath(_WORKDIR.value)
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
+    # A job run on a train workdir (rehearsal_eval) keeps the train job's config.json.
+    name = "config.json" if config.job == "train" else f"{config.job}_config.json"
+    with open(os.path.join(workdir, name), "w") as f:
         json.dump(config.to_dict(), f, indent=1)
     logging.info("workdir %s", workdir)
 

@@ -2,10 +2,12 @@
 memory demonstrations, rehearsals that never touch the real environment, both modes with any
 loadable model, and the rehearsal_eval job on a smoke checkpoint."""
 
+import dataclasses
 import json
 import random
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -75,8 +77,6 @@ def test_rule_assessor_flags_env_errors_ungrounded_values_and_unfinished(tasks):
 
 
 def dataclass_replace(x, **kw):
-    import dataclasses
-
     return dataclasses.replace(x, **kw)
 
 
@@ -142,8 +142,10 @@ def test_insert_memory_appends_to_the_instruction_only(tasks):
 
 
 def test_clean_generated_removes_chat_control_and_thinking():
-    text = "<think>x</think>plan: <tool_call>a</tool_call> b<|im_end|>\n<|im_start|>user"
+    text = "<think>x</think>plan: <tool_call>a</tool_call> b<|im_end|>\n<|im_start|>user\x0c\ufffd"
     assert mem.clean_generated(text) == "plan: a b\nuser"
+    assert mem.clean_generated("<think>unfinished thought") == ""
+    assert mem.clean_generated("x" * 50, max_chars=10) == "x" * 10
 
 
 # --------------------------------------------------------------------------- warm start
@@ -221,3 +223,285 @@ def test_warm_start_memory_variants_against_a_real_replay(tasks):
             assert len(changed) == 1, (text, ref_calls)
             assert [json.loads(r) for r in executed(task, calls)[1]] == resp
     assert min(kinds.values()) >= 10, kinds
+
+
+# ------------------------------------------------------------------- rehearsal with models
+
+
+def _short(task):
+    """`task` with a one-line system turn: short sequences keep the memorising policy cheap."""
+    system = {"role": "system", "content": "Shop assistant. Use the tools."}
+    return dataclasses.replace(
+        task,
+        messages=(system, *task.messages[1:]),
+        reference_messages=(system, *task.reference_messages[1:]),
+    )
+
+
+@pytest.fixture(scope="module")
+def memorised(tok):
+    """A tiny Qwen3 trained to reproduce two tasks' oracle conversations, with and without an
+    exact memory of 1 or 2 rehearsals in the prompt: its rehearsals make the state-changing
+    calls, and its committed runs solve the tasks."""
+    import optax
+    from flax import nnx
+
+    from envace_jax.models.config import get_preset
+    from envace_jax.models.decoder import Decoder
+    from envace_jax.rl.batch import from_numpy
+    from envace_jax.rl.config import SFTConfig
+    from envace_jax.rl.steps import init_train_state, make_sft_step
+    from envace_jax.text.trajectory import encode_conversation
+
+    pool = generate_tasks(0, 40, "test")
+    chosen = [t for t in pool if t.ground_truth["family"] in ("cancel", "refund")][:2]
+    tasks = [_short(t) for t in chosen]
+    seqs = []
+    for t in tasks:
+        oracle = oracle_attempt(t)
+        for n in (0, 1, 2):
+            memory = mem.render_memory([oracle] * n, [mem.Assessment()] * n) if n else ""
+            k = len(t.messages)
+            messages = mem.insert_memory(t.reference_messages[:k], memory)
+            messages += [dict(m) for m in t.reference_messages[k:]]
+            seqs.append(encode_conversation(tok, messages, t.template_tools, rehearse=True))
+    T = max(len(s.ids) for s in seqs)
+    tokens = np.zeros((len(seqs), T), np.int32)
+    roles, segments = np.zeros((len(seqs), T), np.int8), np.zeros((len(seqs), T), np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s.ids)], roles[i, : len(s.ids)], segments[i, : len(s.ids)] = (
+            s.ids,
+            s.roles,
+            s.segments,
+        )
+    batch = from_numpy(
+        tokens=tokens,
+        roles=roles,
+        segments=segments,
+        lengths=[len(s.ids) for s in seqs],
+        group=np.arange(len(seqs)),
+        reward=np.zeros(len(seqs)),
+    )
+    cfg = get_preset("tiny-qwen3", vocab_size=len(tok), max_position_embeddings=2048)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tx = optax.adam(3e-3)
+    state = init_train_state(nnx.state(model, nnx.Param), tx)
+    step = make_sft_step(model, tx, SFTConfig())
+    for _ in range(120):
+        state, metrics = step(state, batch)
+    assert float(metrics["nll"]) < 0.1
+    return model, state.params, tasks
+
+
+@pytest.mark.slow  # trains the memorising policy (about a minute on two CPU cores)
+def test_rehearsals_leave_the_real_environment_untouched(memorised, tok, monkeypatch):
+    from envace_jax.envs.demo import STATE_CHANGING
+    from envace_jax.rollout.test_time import MODES, TestTimeRehearsal
+    from envace_jax.sampling.distributions import SamplingParams
+
+    model, params, tasks = memorised
+    executed_calls = []
+    step = DemoEnv.step
+
+    def spy(self, calls):  # every call any environment executes, anywhere
+        executed_calls.extend(calls)
+        return step(self, calls)
+
+    monkeypatch.setattr(DemoEnv, "step", spy)
+    live = [DemoEnv() for _ in tasks]  # the real environments the committed runs will use
+    for env, task in zip(live, tasks, strict=True):
+        env.reset(task)
+    before = [env.state() for env in live]
+    ttr = TestTimeRehearsal(
+        model,
+        tok,
+        max_turns=3,
+        max_message_tokens=64,
+        sampling=SamplingParams(greedy=True),
+        max_new_tokens=160,
+    )
+    memories = {}
+    for mode in MODES:
+        rehearsals = ttr.rehearse(params, tasks, mode=mode, n=2, key=jax.random.key(0))
+        for r, task in zip(rehearsals, tasks, strict=True):
+            # The rehearsals did make the task's state-changing calls ...
+            names = {name for a in r.attempts for name, _ in a.calls}
+            assert names & STATE_CHANGING, (mode, task.task_id, r.attempts)
+        memories[mode] = ttr.memories(params, tasks, rehearsals, budget=2, key=jax.random.key(1))
+    # ... yet no environment executed anything, and the real ones are as they were.
+    assert executed_calls == []
+    assert [env.state() for env in live] == before
+    for mode in MODES:
+        for env, task in zip(live, tasks, strict=True):
+            env.reset(task)
+        make_env = iter(live).__next__  # hands out the live environments in task order
+        out = ttr.commit(params, tasks, memories[mode], make_env, key=jax.random.key(2))
+        # Only the committed run changes the world: it reaches the task's ground-truth state.
+        assert executed_calls
+        for env, task, result, memory, prompt in zip(
+            live, tasks, out.results, memories[mode], out.prompts, strict=True
+        ):
+            assert memory.startswith(mem.HEADER) and "plan (2 of 2 rehearsals)" in memory
+            assert memory in tok.decode(prompt)  # the memory is in the committed context
+            assert env.state()["world"] == task.ground_truth["final_state"]
+            assert env.state()["world"] != task.ground_truth["initial_state"]
+            assert result.success
+        executed_calls.clear()
+
+
+@pytest.fixture(scope="module")
+def loaded_random_qwen3(tmp_path_factory, tok):
+    """A tiny random Qwen3 written as an HF checkpoint and read back by the package's loader."""
+    from flax import nnx
+
+    from envace_jax.models.config import get_preset
+    from envace_jax.models.decoder import Decoder
+    from envace_jax.models.hf_io import load_hf_model, save_hf_model
+
+    path = str(tmp_path_factory.mktemp("random-qwen3"))
+    cfg = get_preset("tiny-qwen3", vocab_size=len(tok), max_position_embeddings=4096)
+    save_hf_model(Decoder(cfg, rngs=nnx.Rngs(5)), cfg, path, tokenizer=tok)
+    model, _ = load_hf_model(path)
+    return model, nnx.state(model, nnx.Param)
+
+
+@pytest.mark.parametrize(
+    "memory,assessor", [("structured", "rules"), ("summary", "policy"), ("structured", "policy")]
+)
+def test_both_modes_form_and_insert_the_memory_with_a_loaded_random_qwen3(
+    loaded_random_qwen3, tok, memory, assessor
+):
+    from envace_jax.rollout.test_time import MODES, TestTimeRehearsal
+
+    model, params = loaded_random_qwen3
+    tasks = generate_tasks(1, 2, "test")
+    ttr = TestTimeRehearsal(
+        model,
+        tok,
+        max_turns=2,
+        max_message_tokens=16,
+        memory=memory,
+        assessor=assessor,
+        max_new_tokens=32,
+        max_memory_tokens=16,
+    )
+    seen_prompts = []
+    generate = ttr.rehearse_sampler.generate
+
+    def recording(prompts, **kw):
+        seen_prompts.append([tok.decode(p) for p in prompts])
+        return generate(prompts, **kw)
+
+    ttr.rehearse_sampler.generate = recording
+    for mode in MODES:
+        seen_prompts.clear()
+        rehearsals = ttr.rehearse(params, tasks, mode=mode, n=2, key=jax.random.key(3))
+        assert [len(r.attempts) for r in rehearsals] == [2, 2]
+        if mode == "parallel":  # one sampler call, N rows per task, all from the plain prompt
+            assert len(seen_prompts) == 1 and len(seen_prompts[0]) == 4
+            assert all(c == "" for r in rehearsals for c in r.contexts)
+        else:  # attempt 2 sees attempt 1 and its assessment
+            assert len(seen_prompts) == 2
+            for b, r in enumerate(rehearsals):
+                assert r.contexts[0] == "" and r.contexts[1]
+                assert r.contexts[1] in seen_prompts[1][b]
+                assert r.contexts[1] not in seen_prompts[0][b]
+                if assessor == "policy" and memory == "summary":
+                    assert r.assessments[0].text in r.contexts[1]
+        for b in (1, 2):
+            memories = ttr.memories(params, tasks, rehearsals, budget=b, key=jax.random.key(4))
+            header = mem.HEADER if memory == "structured" else mem.SUMMARY_HEADER
+            assert all(m.startswith(header) for m in memories)
+            if memory == "structured":
+                assert all(f"of {b} rehearsals" in m or "plan: none" in m for m in memories)
+            out = ttr.commit(params, tasks, memories, DemoEnv, key=jax.random.key(5))
+            assert len(out.results) == len(tasks)
+            for task, m, prompt in zip(tasks, memories, out.prompts, strict=True):
+                text = tok.decode(prompt)
+                # Inserted after the instruction, inside the user turn, before the assistant's.
+                assert f"{task.messages[-1]['content']}\n\n{m}<|im_end|>" in text
+        assert ttr.memories(params, tasks, rehearsals, budget=0, key=jax.random.key(4)) == ["", ""]
+
+
+# ------------------------------------------------------------------------ the eval job
+
+
+def _demo_config(variant):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "demo.py")
+    spec = importlib.util.spec_from_file_location("demo_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant)
+
+
+def test_rehearsal_config_errors_name_the_key(tmp_path):
+    from envace_jax.configuration import ConfigError, validate
+    from envace_jax.rehearsal_eval import RehearsalEvalError, check_architecture, train_dirs
+
+    config = _demo_config("rehearsal_eval")
+    assert config.job == "rehearsal_eval"
+    config.rehearsal.table_budget = 3
+    with pytest.raises(ConfigError, match=r"config\.rehearsal\.table_budget = 3"):
+        validate(config)
+    config = _demo_config("rehearsal_eval")
+    config.job = "evaluate"
+    with pytest.raises(ConfigError, match=r"config\.job = 'evaluate'"):
+        validate(config)
+    config = _demo_config("rehearsal_eval")
+    with pytest.raises(
+        RehearsalEvalError, match="config.rehearsal.checkpoint_dir=''.*checkpoints/"
+    ):
+        train_dirs(config, str(tmp_path))
+    (tmp_path / "checkpoints").mkdir()
+    assert train_dirs(config, str(tmp_path)) == (str(tmp_path / "checkpoints"), str(tmp_path))
+    config.rehearsal.checkpoint_dir = str(tmp_path / "checkpoints")
+    assert train_dirs(config, "elsewhere") == (str(tmp_path / "checkpoints"), str(tmp_path))
+    saved = json.loads(json.dumps(_demo_config("smoke").to_dict()))
+    with pytest.raises(RehearsalEvalError, match=r"--config\.model\.preset='tiny-qwen3'"):
+        check_architecture(config, saved, "checkpoint x")
+    check_architecture(_demo_config("rehearsal_eval_smoke"), saved, "checkpoint x")
+
+
+@pytest.mark.slow  # a smoke train job, then the eval job on its workdir (a few minutes)
+def test_rehearsal_eval_job_prints_the_table_and_plots_from_a_train_workdir(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = os.path.join(repo, "configs", "demo.py")
+
+    def main(variant):
+        cmd = [sys.executable, "-m", "envace_jax.main", f"--config={cfg}:{variant}"]
+        r = subprocess.run(
+            cmd + [f"--workdir={tmp_path}"], capture_output=True, text=True, timeout=1800
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    main("smoke")
+    assert (tmp_path / "warm_start").is_dir()  # the warm-start policy is kept for the eval
+    out = main("rehearsal_eval_smoke")
+    assert "Test-time rehearsal on held-out test tasks" in out
+    for row in (
+        "| none | 0 |",
+        "| parallel, EnvACE rehearser | 2 |",
+        "| sequential, EnvACE rehearser | 2 |",
+        "| parallel, warm-start rehearser | 2 |",
+        "| sequential, warm-start rehearser | 2 |",
+    ):
+        assert row in out
+    assert "warm-start policy: step 4" in out
+    assert (tmp_path / "rehearsal_vs_budget.png").stat().st_size > 1000
+    result = json.loads((tmp_path / "rehearsal_eval.json").read_text())
+    assert len(result["per_seed"]) == 2
+    assert set(result["aggregate"]["parallel, EnvACE rehearser"]) == {"1", "2"}
+    assert (tmp_path / "rehearsal_eval.md").read_text().startswith("| test-time rehearsal |")
+    # The train job's config record is left as it was.
+    assert json.loads((tmp_path / "config.json").read_text())["job"] == "train"
+    assert json.loads((tmp_path / "rehearsal_eval_config.json").read_text())["job"] == (
+        "rehearsal_eval"
+    )

@@ -81,6 +81,7 @@ _NUMBER = re.compile(r"(?<![\w.])-?\d+(?!\w|\.\d)")  # integers, not parts of id
 _WORD = re.compile(r"[A-Za-z]+\d*")
 _ID = re.compile(r"[A-Za-z]+\d+")
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f\ufffd]")
 
 
 # ----------------------------------------------------------------------------- attempts
@@ -298,11 +299,13 @@ def render_transcripts(
 
 
 def clean_generated(text: str, max_chars: int = 2000) -> str:
-    """Policy-written text made safe to insert into a chat turn: thinking blocks and every
-    chat-control / tool tag removed (so it cannot end the turn or open a call), trimmed."""
+    """Policy-written text made safe to insert into a chat turn: thinking blocks, every
+    chat-control / tool tag (so it cannot end the turn or open a call) and control characters
+    removed, trimmed to `max_chars`."""
     text = _THINK.sub("", text)
     for tag in SPECIAL_TOKEN_TEXTS.values():
         text = text.replace(tag, "")
+    text = _CONTROL.sub("", text)  # control characters, and U+FFFD from cut multi-byte tokens
     return text.strip()[:max_chars].strip()
 
 

@@ -1,0 +1,410 @@
+"""The `rehearsal_eval` job: test-time rehearsal of a trained workdir on held-out tasks.
+
+    python -m envace_jax.main --config configs/demo.py:rehearsal_eval --workdir DIR
+    python -m envace_jax.main --config configs/demo.py:rehearsal_eval --workdir OUT \\
+        --config.rehearsal.checkpoint_dir=DIR          # read DIR's checkpoints, write to OUT
+
+Policies, from the train job's workdir (`rehearsal.checkpoint_dir`, default `--workdir`):
+
+* the EnvACE-trained policy: the newest readable checkpoint in `checkpoints/`;
+* the warm-start policy: `warm_start/` (the train job saves it when
+  `rehearsal.keep_warm_start`), else the checkpoint at global step `schedule.sft_steps`.
+
+For each of `rehearsal.seeds` seeds, `rehearsal.tasks` tasks of split `rehearsal.split` (the
+test split by default, whose worlds the train job never sees; seed s draws the tasks of
+generation seed `config.seed + s`) are run:
+
+* **no rehearsal**: one committed run per task (as the train job's evaluation);
+* **parallel / sequential rehearsal** with N = max(`rehearsal.budgets`) attempts, by the
+  EnvACE-trained policy and by the warm-start policy as the rehearser; the memory of every
+  budget N' in `rehearsal.budgets` comes from the first N' attempts (see
+  `rollout.test_time`), and conditions one committed run.
+
+The committed run is always the EnvACE-trained policy's, greedy (`eval.greedy`), in a fresh
+real environment; the rehearser only writes the attempts, their assessments and (format
+'summary') the memory, so the rows compare rehearsers as the paper's table does. A
+warm-start-policy row without rehearsal is printed for reference.
+
+Diagnostics (they read the task's reference solution, which no decision above does): `plan ok`
+is the fraction of tasks whose structured memory's plan equals the reference calls, `follows`
+the fraction of committed runs whose calls equal their memory's plan.
+
+Outputs in the workdir: `rehearsal_eval.md` (the tables), `rehearsal_eval.json` (every number,
+per seed), `rehearsal_vs_budget.png` (success versus N, mean and std over seeds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from envace_jax import checkpoint as ckpt_lib
+from envace_jax.build import build_mesh, build_model, build_tokenizer
+from envace_jax.envs.demo import DemoEnv, generate_tasks
+from envace_jax.metrics import table
+from envace_jax.rl.optim import OptimConfig, make_optimizer
+from envace_jax.rl.steps import TrainState, make_shardings
+from envace_jax.rollout import memory as mem
+from envace_jax.rollout.test_time import MODES, Committed, TestTimeRehearsal
+from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.trainer import WARM_START_DIR
+
+REHEARSERS = ("EnvACE", "warm-start")
+_ARCH_KEYS = ("tokenizer", "model")  # what must match between this config and the checkpoint
+
+
+class RehearsalEvalError(ValueError):
+    """The workdir to evaluate lacks a policy, or was trained with another architecture."""
+
+
+# ------------------------------------------------------------------------------- loading
+
+
+def train_dirs(config: ml_collections.ConfigDict, workdir: str) -> tuple[str, str]:
+    """(checkpoints directory, train workdir) of `rehearsal.checkpoint_dir` (or `workdir`),
+    which may name the train workdir or its checkpoints/ directory."""
+    root = os.path.abspath(config.rehearsal.checkpoint_dir or workdir)
+    where = f"config.rehearsal.checkpoint_dir={config.rehearsal.checkpoint_dir!r}"
+    if os.path.isdir(os.path.join(root, "checkpoints")):
+        return os.path.join(root, "checkpoints"), root
+    if os.path.basename(root) == "checkpoints" and os.path.isdir(root):
+        return root, os.path.dirname(root)
+    raise RehearsalEvalError(
+        f"{where} (workdir {workdir!r}): no train job output at {root} (expected a checkpoints/ "
+        "directory); run the train job there first or point the key at its workdir"
+    )
+
+
+def _abstract(params, mesh, tx=None):
+    """Abstract pytree (shape, dtype, sharding) of `params`, or of a TrainState with `tx`."""
+    sh = make_shardings(mesh, params, tx or make_optimizer(OptimConfig()), (1, 8))
+    if tx is None:
+        shapes, shardings = jax.eval_shape(lambda p: p, params), sh.state.params
+    else:
+        shapes = jax.eval_shape(
+            lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p)),
+            params,
+        )
+        shardings = sh.state
+    return jax.tree.map(
+        lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), shapes, shardings
+    )
+
+
+def _state_target(params, mesh):
+    """A target for a train-job checkpoint: a TrainState with the optimizer of its phase,
+    built from the config saved in the checkpoint."""
+
+    def target(step: int, meta: dict):
+        cfg = meta.get("config") or {}
+        section = "sft_optim" if meta.get("phase") == "sft" else "optim"
+        try:
+            tx = make_optimizer(OptimConfig.from_config(cfg.get(section, {}), section))
+        except ValueError as e:
+            raise RehearsalEvalError(f"checkpoint step {step}: its config.{section}: {e}") from e
+        return _abstract(params, mesh, tx)
+
+    return target
+
+
+def check_architecture(config: ml_collections.ConfigDict, saved: dict, where: str) -> None:
+    """Raises naming every architecture key whose value differs from the checkpoint's."""
+    ours = json.loads(json.dumps(config.to_dict()))
+    differ = []
+    for key in _ARCH_KEYS:
+        a, b = ours.get(key), saved.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            differ += [f"{key}.{k}={b.get(k)!r}" for k in a if a.get(k) != b.get(k)]
+        elif a != b:
+            differ.append(f"{key}={b!r}")
+    if differ:
+        flags = " ".join(f"--config.{d}" for d in differ)
+        raise RehearsalEvalError(
+            f"{where} was trained with another architecture; pass {flags} (or the config "
+            "variant it was trained with)"
+        )
+
+
+def load_policies(config, workdir, params, mesh) -> tuple[dict[str, Any], dict[str, Any]]:
+    """({'EnvACE': params, 'warm-start': params}, info) from the train workdir."""
+    ckpt_dir, base = train_dirs(config, workdir)
+    with ckpt_lib.Checkpointer(ckpt_dir, keep=1_000_000) as ckpt:
+        if ckpt.latest_step() is None:
+            raise RehearsalEvalError(f"{ckpt_dir}: no finished checkpoint to evaluate")
+        try:
+            step, state, meta = ckpt.restore(_state_target(params, mesh))
+        except ckpt_lib.CheckpointError as e:
+            raise RehearsalEvalError(
+                f"{ckpt_dir}: no checkpoint restores as one policy's train state ({e}); "
+                "rehearsal_eval evaluates single-policy runs (mode 'envace')"
+            ) from e
+        check_architecture(config, meta.get("config") or {}, f"checkpoint {ckpt_dir}/{step}")
+        trained = state.params
+        sft_steps = (meta.get("config") or {}).get("schedule", {}).get("sft_steps")
+        warm_dir = os.path.join(base, WARM_START_DIR)
+        if os.path.isdir(warm_dir):
+            with ckpt_lib.Checkpointer(warm_dir, keep=1_000_000) as keeper:
+                warm_step, warm, warm_meta = keeper.restore(_abstract(params, mesh))
+            warm_from = warm_dir
+        elif sft_steps is not None and sft_steps in ckpt.all_steps():
+            warm_step, warm_state, warm_meta = ckpt.restore(
+                _state_target(params, mesh), step=sft_steps
+            )
+            warm, warm_from = warm_state.params, f"{ckpt_dir}/{sft_steps}"
+        else:
+            raise RehearsalEvalError(
+                f"no warm-start policy in {base}: {WARM_START_DIR}/ is missing (the train job "
+                "writes it when config.rehearsal.keep_warm_start=True) and checkpoints/ has no "
+                f"step schedule.sft_steps={sft_steps} (it has {ckpt.all_steps()}; raise "
+                "schedule.keep_checkpoints to keep it)"
+            )
+    info = {
+        "train_workdir": base,
+        "trained_step": step,
+        "trained_phase": meta.get("phase"),
+        "warm_start_step": warm_step,
+        "warm_start_from": warm_from,
+        "train_final_eval": meta.get("final_eval"),
+        "train_warm_start_eval": warm_meta.get("sft_eval"),
+    }
+    return {"EnvACE": trained, "warm-start": warm}, info
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def _same_calls(calls: Sequence[tuple[str, Any]], other: Sequence[tuple[str, Any]]) -> bool:
+    sig = lambda cs: [(n, json.dumps(a, sort_keys=True)) for n, a in cs]  # noqa: E731
+    return sig(calls) == sig(other)
+
+
+def _memory_plan(rehearsal, budget: int):
+    s = mem.select_plan(rehearsal.attempts[:budget], rehearsal.assessments[:budget])
+    return None if s.index is None else rehearsal.attempts[s.index].calls
+
+
+def _row_stats(committed: Committed, tasks, plans=None) -> dict[str, float]:
+    res = committed.results
+    out = {
+        "success": float(np.mean([r.success for r in res])),
+        "reward": float(np.mean([r.reward for r in res])),
+    }
+    if plans is not None:
+        refs = [mem.reference_plan(t)[0] for t in tasks]
+        out["plan_ok"] = float(
+            np.mean(
+                [p is not None and _same_calls(p, ref) for p, ref in zip(plans, refs, strict=True)]
+            )
+        )
+        out["follows"] = float(
+            np.mean(
+                [
+                    p is not None and _same_calls(r.episode.calls, p)
+                    for r, p in zip(res, plans, strict=True)
+                ]
+            )
+        )
+    return out
+
+
+def evaluate_seed(ttr: TestTimeRehearsal, policies, tasks, budgets, key, eval_cfg) -> dict:
+    """Every row of the table for one task set: {row name: {budget: stats}}."""
+    n = max(budgets)
+    executor = policies["EnvACE"]
+    commit = lambda params, tasks_, memories, k: ttr.commit(  # noqa: E731
+        params,
+        tasks_,
+        memories,
+        DemoEnv,
+        key=k,
+        sampling=SamplingParams(greedy=True) if eval_cfg.greedy else SamplingParams(),
+        max_new_tokens=eval_cfg.max_new_tokens,
+    )
+    out: dict[str, dict] = {}
+    ckey = jax.random.fold_in(key, 0)  # committed runs share a key: rows differ by memory only
+    out["none"] = {0: _row_stats(commit(executor, tasks, None, ckey), tasks)}
+    out["none, warm-start policy"] = {
+        0: _row_stats(commit(policies["warm-start"], tasks, None, ckey), tasks)
+    }
+    for r_i, name in enumerate(REHEARSERS):
+        params = policies[name]
+        rows, memories, plans, where = [], [], [], []
+        for m_i, mode in enumerate(MODES):
+            t0 = time.time()
+            rkey = jax.random.fold_in(key, 10 + 2 * r_i + m_i)
+            rehearsals = ttr.rehearse(params, tasks, mode=mode, n=n, key=rkey)
+            for b in budgets:
+                memories += ttr.memories(
+                    params, tasks, rehearsals, budget=b, key=jax.random.fold_in(rkey, b)
+                )
+                plans += [_memory_plan(r, b) for r in rehearsals]
+                rows += list(tasks)
+                where.append((mode, b))
+            print(
+                f"  [{name} rehearser, {mode}] {n} attempts in {time.time() - t0:.0f}s", flush=True
+            )
+        t0 = time.time()
+        committed = commit(executor, rows, memories, ckey)
+        print(f"  [{name} rehearser] committed runs in {time.time() - t0:.0f}s", flush=True)
+        T = len(tasks)
+        for j, (mode, b) in enumerate(where):
+            part = Committed(
+                committed.results[j * T : (j + 1) * T], committed.prompts[j * T : (j + 1) * T]
+            )
+            stats = _row_stats(part, tasks, plans[j * T : (j + 1) * T])
+            out.setdefault(f"{mode}, {name} rehearser", {})[b] = stats
+    return out
+
+
+def _aggregate(per_seed: list[dict]) -> dict:
+    """{row: {budget: {metric: (mean, std, [per seed])}}}."""
+    out: dict = {}
+    for row in per_seed[0]:
+        for b in per_seed[0][row]:
+            for metric in per_seed[0][row][b]:
+                vals = [s[row][b][metric] for s in per_seed]
+                out.setdefault(row, {}).setdefault(b, {})[metric] = (
+                    float(np.mean(vals)),
+                    float(np.std(vals)),
+                    vals,
+                )
+    return out
+
+
+def _cell(v) -> str:
+    mean, std, _ = v
+    return f"{mean:.3f} ± {std:.3f}"
+
+
+def tables(agg: dict, budgets: Sequence[int], table_budget: int, n_seeds: int, n_tasks: int) -> str:
+    order = ["none"] + [f"{m}, {r} rehearser" for r in REHEARSERS for m in MODES]
+    header = ["test-time rehearsal", "N", "success", "per seed", "reward", "plan ok", "follows"]
+    rows = []
+    for row in order + ["none, warm-start policy"]:
+        b = 0 if row.startswith("none") else table_budget
+        m = agg[row][b]
+        rows.append(
+            [
+                row,
+                b,
+                _cell(m["success"]),
+                " ".join(f"{x:.3f}" for x in m["success"][2]),
+                _cell(m["reward"]),
+                _cell(m["plan_ok"]) if "plan_ok" in m else "-",
+                _cell(m["follows"]) if "follows" in m else "-",
+            ]
+        )
+    main = table(rows, header)
+    curve_rows = [[row] + [_cell(agg[row][b]["success"]) for b in budgets] for row in order[1:]]
+    curve = table(curve_rows, ["success by N"] + [str(b) for b in budgets])
+    note = (
+        f"mean ± std over {n_seeds} seeds of {n_tasks} held-out tasks each; the committed run is "
+        "always the EnvACE-trained policy's"
+    )
+    return f"{main}\n\n{curve}\n\n({note})"
+
+
+def plot(agg: dict, budgets: Sequence[int], png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.6, 3.8))
+    for name in REHEARSERS:
+        for mode, style in zip(MODES, ("-", "--"), strict=True):
+            row = agg[f"{mode}, {name} rehearser"]
+            means = [row[b]["success"][0] for b in budgets]
+            stds = [row[b]["success"][1] for b in budgets]
+            ax.errorbar(
+                budgets,
+                means,
+                yerr=stds,
+                linestyle=style,
+                marker="o",
+                capsize=3,
+                label=f"{mode}, {name} rehearser",
+            )
+    for row, style in (("none", "k:"), ("none, warm-start policy", "C7:")):
+        ax.axhline(
+            agg[row][0]["success"][0],
+            color=style[:-1],
+            linestyle=":",
+            label=row.replace("none", "no rehearsal"),
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(budgets), [str(b) for b in budgets])
+    ax.set_ylim(0.0, 1.0)
+    ax.set_xlabel("rehearsal budget N")
+    ax.set_ylabel("real-environment success")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    r = config.rehearsal
+    t_start = time.time()
+    mesh = build_mesh(config)
+    tokenizer = build_tokenizer(config)
+    model = build_model(config, tokenizer, mesh)
+    params = nnx.state(model, nnx.Param)
+    policies, info = load_policies(config, workdir, params, mesh)
+    print(
+        f"EnvACE policy: checkpoint step {info['trained_step']} ({info['trained_phase']}); "
+        f"warm-start policy: step {info['warm_start_step']} from {info['warm_start_from']}"
+    )
+    ttr = TestTimeRehearsal(
+        model,
+        tokenizer,
+        max_turns=config.rollout.max_turns,
+        max_message_tokens=config.rollout.max_message_tokens,
+        memory=r.memory,
+        assessor=r.assessor,
+        sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p),
+        max_new_tokens=config.eval.max_new_tokens,
+        max_memory_tokens=r.max_memory_tokens,
+    )
+    budgets = tuple(sorted(set(r.budgets)))
+    per_seed = []
+    for s in range(r.seeds):
+        t0 = time.time()
+        tasks = generate_tasks(config.seed + s, r.tasks, r.split)
+        key = jax.random.fold_in(jax.random.key(config.seed), 1000 + s)
+        print(f"[rehearsal eval] seed {s + 1}/{r.seeds}: {len(tasks)} {r.split} tasks", flush=True)
+        per_seed.append(evaluate_seed(ttr, policies, tasks, budgets, key, config.eval))
+        done = time.time() - t_start
+        eta = done / (s + 1) * (r.seeds - s - 1)
+        last = per_seed[-1]
+        parallel = last["parallel, EnvACE rehearser"][r.table_budget]["success"]
+        print(
+            f"[rehearsal eval] seed {s + 1}/{r.seeds} in {time.time() - t0:.0f}s, eta {eta:.0f}s: "
+            f"success none {last['none'][0]['success']:.3f}, parallel (EnvACE rehearser, "
+            f"N={r.table_budget}) {parallel:.3f}",
+            flush=True,
+        )
+    agg = _aggregate(per_seed)
+    text = tables(agg, budgets, r.table_budget, r.seeds, r.tasks)
+    png = os.path.join(workdir, "rehearsal_vs_budget.png")
+    plot(agg, budgets, png)
+    with open(os.path.join(workdir, "rehearsal_eval.md"), "w") as f:
+        f.write(text + "\n")
+    result = {"info": info, "config": json.loads(json.dumps(r.to_dict())), "per_seed": per_seed}
+    result["aggregate"] = agg
+    with open(os.path.join(workdir, "rehearsal_eval.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nTest-time rehearsal on held-out {r.split} tasks:\n{text}")
+    print(f"\nworkdir: {workdir} (rehearsal_eval.md, rehearsal_eval.json, rehearsal_vs_budget.png)")
+    print(f"total time {time.time() - t_start:.0f}s")
+    return result
