@@ -128,6 +128,13 @@ class LoopState:
     step: jax.Array  # int32 []: decode steps taken
 
 
+def prefill(model, tokens: jax.Array, positions: jax.Array, cache: KVCache) -> KVCache:
+    """Writes tokens into the cache; models with a logit-free `prefill` skip the LM head."""
+    if hasattr(model, "prefill"):
+        return model.prefill(tokens, positions, cache)
+    return model(tokens, positions, cache=cache)[1]
+
+
 def _queue_width(spec: TurnSpec, user_turns_width: int) -> int:
     return max(len(spec.act_to_rehearse), len(spec.rehearse_to_act), user_turns_width, 1)
 
@@ -176,7 +183,7 @@ def init_state(
     # Under a mesh (a sampler row layout), the cache is split over devices like the rows.
     cache = jax.tree.map(lambda a: with_logical_constraint(a, CACHE_LOGICAL_AXES), cache)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    _, cache = model(prompts, positions, cache=cache)
+    cache = prefill(model, prompts, positions, cache)
     budget = jnp.minimum(prompt_lens + jnp.asarray(max_new_tokens, jnp.int32), max_len)
     zeros_b = jnp.zeros((B,), jnp.int32)
     return LoopState(
@@ -364,7 +371,7 @@ def append_tokens(
     steps = jnp.arange(C + 1, dtype=jnp.int32)[None]
     feed_pos = jnp.where(take[:, None], last_pos[:, None] + steps, last_pos[:, None])
     feed_tok = jnp.where(take[:, None], feed_tok, last_tok[:, None])
-    _, cache = model(feed_tok, jnp.minimum(feed_pos, T), cache=state.cache)
+    cache = prefill(model, feed_tok, jnp.minimum(feed_pos, T), state.cache)
     status = jnp.where(take, Status.RUNNING, state.status)
     status = jnp.where(receives & ~fits, Status.TRUNCATED, status)
     return state.replace(
