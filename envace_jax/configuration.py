@@ -48,7 +48,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.preset = "demo-qwen3"  # Name in envace_jax.models.PRESETS, used when hf_path is empty.
     c.model.hf_path = ""  # Local HF checkpoint dir (config.json + *.safetensors); overrides preset.
-    c.model.param_dtype = "float32"  # 'float32' on CPU; 'bfloat16' on TPU.
+    c.model.param_dtype = "float32"  # Storage and update dtype; keep float32 for RL (lr 1e-6).
     c.model.dtype = "float32"  # Compute dtype.
     c.model.remat = "none"  # Per-layer rematerialisation: 'none', 'full' or 'dots'.
 
@@ -86,6 +86,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.schedule.eval_every = 10  # RL steps between real-environment evaluations (0 = end only).
     c.schedule.checkpoint_every = 10  # Steps (SFT and RL) between checkpoints.
     c.schedule.keep_checkpoints = 3  # Checkpoints kept on disk.
+    c.schedule.checkpoint_dir = ""  # Checkpoints: a path or gs:// URL; '' = workdir/checkpoints.
     c.schedule.log_every = 10  # SFT steps between metric lines.
     c.schedule.warm_start_dir = ""  # Workdir of a finished warm start to start RL from, or ''.
 
@@ -175,6 +176,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "schedule.eval_every": _int(0),
     "schedule.checkpoint_every": _int(1),
     "schedule.keep_checkpoints": _int(1),
+    "schedule.checkpoint_dir": (lambda v: isinstance(v, str), "a directory, gs:// path, or ''"),
     "schedule.log_every": _int(1),
     "schedule.warm_start_dir": (lambda v: isinstance(v, str), "a workdir path or ''"),
     "eval.greedy": (lambda v: isinstance(v, bool), "a bool"),
