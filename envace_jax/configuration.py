@@ -64,10 +64,15 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.sft = _section(SFTConfig)  # Warm-start step (envace_jax.rl.config.SFTConfig).
     c.sft_optim = _section(
-        OptimConfig, learning_rate=2e-3, schedule="cosine", warmup_steps=20, decay_steps=300
+        OptimConfig,
+        learning_rate=3e-3,
+        schedule="cosine",
+        warmup_steps=30,
+        decay_steps=370,
+        end_lr_ratio=0.1,
     )  # Optimizer of the warm start (envace_jax.rl.optim.OptimConfig).
     c.grpo = _section(GRPOConfig)  # Role-wise GRPO step (envace_jax.rl.config.GRPOConfig).
-    c.optim = _section(OptimConfig, learning_rate=2e-4)  # Optimizer of the RL phase.
+    c.optim = _section(OptimConfig, learning_rate=1e-4)  # Optimizer of the RL phase.
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.group_size = 8  # K rollouts per task (one GRPO group).
@@ -80,11 +85,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.length_buckets = (256, 384, 512, 640, 768, 1024, 1536, 2048)  # Train lengths.
 
     c.schedule = ml_collections.ConfigDict()
-    c.schedule.sft_steps = 300  # Warm-start optimizer steps.
-    c.schedule.sft_batch_size = 16  # Demonstrations per warm-start step.
-    c.schedule.rl_steps = 40  # RL steps after the warm start.
-    c.schedule.eval_every = 10  # RL steps between real-environment evaluations (0 = end only).
-    c.schedule.checkpoint_every = 10  # Steps (SFT and RL) between checkpoints.
+    c.schedule.sft_steps = 400  # Warm-start optimizer steps.
+    c.schedule.sft_batch_size = 8  # Demonstrations per warm-start step.
+    c.schedule.rl_steps = 16  # RL steps after the warm start.
+    c.schedule.eval_every = 8  # RL steps between real-environment evaluations (0 = end only).
+    c.schedule.checkpoint_every = 25  # Steps (SFT and RL) between checkpoints.
     c.schedule.keep_checkpoints = 3  # Checkpoints kept on disk.
     c.schedule.checkpoint_dir = ""  # Checkpoints: a path or gs:// URL; '' = workdir/checkpoints.
     c.schedule.log_every = 10  # SFT steps between metric lines.
