@@ -4,7 +4,10 @@
     python -m envace_jax.main --config configs/demo.py:smoke --config.seed=1 --workdir /tmp/x
 
 The config is validated before anything is built or compiled; a wrong key or value is an error
-that names it.
+that names it. A multi-process run (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+JAX_PROCESS_ID, as `tpu_scripts/worker_run.sh` sets them on a pod slice, or SLURM / Open MPI)
+calls `jax.distributed.initialize` before anything touches a device; every process runs this
+same command.
 """
 
 from __future__ import annotations
@@ -36,12 +39,18 @@ def main(argv):
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    from envace_jax import parallel
+
+    parallel.initialize_distributed()
+    import jax
+
     workdir = os.path.abspath(_WORKDIR.value)
     os.makedirs(workdir, exist_ok=True)
     # A job run on a train workdir (rehearsal_eval) keeps the train job's config.json.
     name = "config.json" if config.job == "train" else f"{config.job}_config.json"
-    with open(os.path.join(workdir, name), "w") as f:
-        json.dump(config.to_dict(), f, indent=1)
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, name), "w") as f:
+            json.dump(config.to_dict(), f, indent=1)
     logging.info("workdir %s", workdir)
 
     from envace_jax import jobs  # heavy imports only after the config is known to be good
