@@ -239,7 +239,10 @@ class Trainer:
         parameters. Its evaluation is reused when this run evaluates the same way (same seed
         and eval settings). Raises naming what does not match this config."""
         where = f"config.schedule.warm_start_dir={workdir!r}"
-        ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=1)
+        if not os.path.isdir(workdir):
+            raise ValueError(f"{where}: no such directory")
+        directory = os.path.join(workdir, "checkpoints")  # a workdir, or its checkpoints/
+        ckpt = ckpt_lib.Checkpointer(directory if os.path.isdir(directory) else workdir, keep=1)
         try:
             if self.sft_steps not in ckpt.all_steps():
                 raise ValueError(
@@ -490,7 +493,8 @@ class Trainer:
                 ev = self.evaluate(
                     state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, 0)
                 )
-            meta = {"phase": "rl", "sft_eval": ev.as_dict()}
+            warm = {k: meta[k] for k in ("warm_start_dir",) if k in meta}
+            meta = {"phase": "rl", "sft_eval": ev.as_dict(), **warm}
             self.writer.write(0, "eval", ev.as_dict(), global_step=step)
             print(f"[eval] warm start: {ev.as_dict()}")
             if self.config.rehearsal.keep_warm_start:

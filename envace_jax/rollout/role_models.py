@@ -75,21 +75,36 @@ class RoleDecoders(nnx.Module):
         Without a cache (scoring), every position gets the ACT decoder's logits."""
         if cache is None:
             return self.act(tokens, positions, attention_mask=attention_mask)
-        L = self.layers_per_role
-        act_cache = KVCache(k=cache.k[:L], v=cache.v[:L])
-        reh_cache = KVCache(k=cache.k[L : 2 * L], v=cache.v[L : 2 * L])
+        act_cache, reh_cache = self._split(cache)
         act_logits, act_cache = self.act(tokens, positions, cache=act_cache)
         reh_logits, reh_cache = self.rehearse(tokens, positions, cache=reh_cache)
         role, open_call = self._track(tokens, cache)
-        use_rehearse = (role == REHEARSE)[:, None, None]
-        logits = jnp.where(use_rehearse, reh_logits, act_logits)
-        state_k = cache.k[2 * L :].at[:, :, 0, 0, 0].set(role.astype(cache.k.dtype))
-        state_v = cache.v[2 * L :].at[:, :, 0, 0, 0].set(open_call.astype(cache.v.dtype))
-        new_cache = KVCache(
+        logits = jnp.where((role == REHEARSE)[:, None, None], reh_logits, act_logits)
+        return logits, self._join(cache, act_cache, reh_cache, role, open_call)
+
+    def prefill(self, tokens: jax.Array, positions: jax.Array, cache: KVCache) -> KVCache:
+        """Writes `tokens` [B, T] into both decoders' caches without computing logits."""
+        act_cache, reh_cache = self._split(cache)
+        act_cache = self.act.prefill(tokens, positions, act_cache)
+        reh_cache = self.rehearse.prefill(tokens, positions, reh_cache)
+        role, open_call = self._track(tokens, cache)
+        return self._join(cache, act_cache, reh_cache, role, open_call)
+
+    def _split(self, cache: KVCache) -> tuple[KVCache, KVCache]:
+        L = self.layers_per_role
+        return (
+            KVCache(k=cache.k[:L], v=cache.v[:L]),
+            KVCache(k=cache.k[L : 2 * L], v=cache.v[L : 2 * L]),
+        )
+
+    def _join(self, cache, act_cache, reh_cache, role, open_call) -> KVCache:
+        L2 = 2 * self.layers_per_role
+        state_k = cache.k[L2:].at[:, :, 0, 0, 0].set(role.astype(cache.k.dtype))
+        state_v = cache.v[L2:].at[:, :, 0, 0, 0].set(open_call.astype(cache.v.dtype))
+        return KVCache(
             k=jnp.concatenate([act_cache.k, reh_cache.k, state_k]),
             v=jnp.concatenate([act_cache.v, reh_cache.v, state_v]),
         )
-        return logits, new_cache
 
     def _track(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array]:
         """The rows' roles and open-tool-call flags after `tokens` ([B] each)."""
