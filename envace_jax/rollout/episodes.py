@@ -126,7 +126,7 @@ def build_episode(
                 messages.append(
                     {
                         "role": "tool",
-                        "content": result_text(tool_error(BAD_CALL, action.error.code)),
+                        "content": result_text(tool_error(BAD_CALL, action.error.code.value)),
                     }
                 )
                 ep.status, ep.invalid_reason = STATUS_INVALID, f"action: {action.error.code}"
