@@ -31,6 +31,9 @@ went back to an older checkpoint, e.g. because the newest one was corrupt), it m
 would block this save and shadow its checkpoints.
 
 Multi-host. Every process calls every method at the same point (Orbax synchronises them).
+Orbax's barriers then go through the jax.distributed client rather than Orbax's default device
+collective: run from its background save threads, a collective can interleave with the training
+step's collectives in a different order on each process, and the job hangs.
 The checks before reading arrays (readable JSON items, structure, shapes, dtypes) read the
 same files on every process, and their verdict is all-gathered, so all processes fall back
 together; the checksum check is symmetric by construction. A read error inside the array
@@ -76,6 +79,8 @@ class Checkpointer:
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"Checkpointer keep: expected an integer >= 1, got {keep!r}")
         directory = os.fspath(directory)
+        if jax.process_count() > 1:
+            _use_distributed_barriers()
         self.directory = directory if "://" in directory else os.path.abspath(directory)
         self._path = epath.Path(self.directory)
         options = ocp.CheckpointManagerOptions(
@@ -419,6 +424,17 @@ def _short(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _use_distributed_barriers() -> None:
+    """Makes Orbax synchronise processes with the jax.distributed client (no device work)."""
+    from absl import flags
+
+    name = "experimental_orbax_use_distributed_barrier"
+    if name in flags.FLAGS:
+        flag = flags.FLAGS[name]
+        flag.value = True
+        flag.present = 1  # readable before (or without) absl parsing the command line
+
+
 def _all_processes_agree(ok: bool) -> bool:
     """True iff `ok` on every process (a collective: all processes must call it)."""
     if jax.process_count() == 1:
@@ -431,7 +447,7 @@ def _all_processes_agree(ok: bool) -> bool:
 
 def _describe(leaves: list[tuple[str, jax.Array]]) -> list[dict]:
     """Path, shape, dtype and content checksum (16 hex digits) of every leaf."""
-    sums = jax.device_get([_checksum(leaf) for _, leaf in leaves])
+    sums = jax.device_get(_checksums([leaf for _, leaf in leaves]))
     return [
         {
             "path": name,
@@ -450,6 +466,14 @@ def _fmix32(h: jax.Array) -> jax.Array:
     h = h ^ (h >> 13)
     h = h * jnp.uint32(0xC2B2AE35)
     return h ^ (h >> 16)
+
+
+@jax.jit
+def _checksums(xs: list[jax.Array]) -> jax.Array:
+    """[n, 2] uint32: `_checksum` of every array, as one program. One dispatch per save rather
+    than one per leaf: with many cross-process reductions in flight at once, multi-process CPU
+    runs (gloo collectives) can hang."""
+    return jnp.stack([_checksum(x) for x in xs])
 
 
 @jax.jit

@@ -15,6 +15,10 @@ A rule may repeat a logical name to give fallbacks, e.g. ('batch', ('data', 'fsd
 
 Activation constraints (`with_logical_constraint`) only act inside `jax.set_mesh(mesh)`;
 without an active mesh they are no-ops, so the same model code runs unsharded on one device.
+
+Multi-host: `initialize_distributed` joins the processes from the environment, and
+`row_layout(mesh, B)` says which rows of a global batch each process builds on the host
+(`RowLayout.to_global` / `to_local` move them between host and the global arrays).
 """
 
 from __future__ import annotations
@@ -379,26 +383,16 @@ class RowLayout:
         return jax.make_array_from_process_local_data(self.sharding(shape), local, shape)
 
     def to_local(self, x: jax.Array) -> np.ndarray:
-        """This process's rows [len(rows), ...] of a global [size, ...] array, on the host."""
+        """This process's rows [len(rows), ...] of a global [size, ...] array, on the host (a
+        collective when the array spans processes)."""
         if x.shape[:1] != (self.size,):
             raise ValueError(f"RowLayout.to_local: expected [{self.size}, ...], got {x.shape}")
         if not isinstance(x, jax.Array) or x.is_fully_addressable:
             return np.asarray(x)[self.rows]
-        out = np.empty((len(self.rows),) + x.shape[1:], x.dtype)
-        filled = np.zeros(out.shape, bool)
-        where = {int(r): i for i, r in enumerate(self.rows)}
-        for shard in x.addressable_shards:
-            index = shard.index
-            first = range(self.size)[index[0]]
-            if not first or first[0] not in where:
-                continue
-            start = where[first[0]]
-            box = (slice(start, start + len(first)),) + tuple(index[1:])
-            out[box] = np.asarray(shard.data)
-            filled[box] = True
-        if not filled.all():  # rows sharded along another axis too: gather them
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))[self.rows]
-        return out
+        # A gather, which every process runs (they all call this together): reading only local
+        # shards would need a fallback that some processes take and others not, and collectives
+        # that do not match hang. Host-side arrays of a batch are small.
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))[self.rows]
 
 
 def row_layout(mesh: Mesh | None, size: int, rules: Sequence[tuple[str, Any]] | None = None):

@@ -17,6 +17,12 @@ Global step numbering: warm-start steps are 1..S, RL steps S+1..S+R, so one chec
 covers both phases. Every random draw is keyed by (seed, global step), and data positions are a
 function of the step, so a run resumed from a checkpoint ends with the same parameters as one
 that never stopped.
+
+Multi-host (one process per TPU host, `jax.distributed` initialised by `main`): one global mesh
+for the steps and the samplers; each process builds, samples, judges and evaluates only the rows
+of each global batch its devices hold (`parallel.RowLayout`), checkpoints go to
+`schedule.checkpoint_dir` (shared, e.g. gs://) with every process writing its shards, and
+metrics, plots, the summary and the HF export come from process 0.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import optax
 from flax import nnx, struct
 
 from envace_jax import checkpoint as ckpt_lib
+from envace_jax import parallel
 from envace_jax.build import build_mesh, build_model, build_tokenizer
 from envace_jax.configuration import step_configs
 from envace_jax.data.stream import TaskStream
@@ -50,7 +57,7 @@ from envace_jax.metrics import (
     truncate_metrics,
 )
 from envace_jax.models.hf_io import save_hf_model
-from envace_jax.rl.batch import from_numpy, pad_to_bucket
+from envace_jax.rl.batch import bucket_length, from_numpy, pad_to_bucket
 from envace_jax.rl.optim import make_optimizer
 from envace_jax.rl.steps import (
     TrainState,
@@ -153,10 +160,15 @@ class Trainer:
         self.host_sampler = Sampler(
             self.model, turn_spec(self.tokenizer, mode="host", **common), pad_id=self.pad_id
         )
-        self.checkpointer = ckpt_lib.Checkpointer(
-            os.path.join(workdir, "checkpoints"), keep=s.keep_checkpoints
-        )
+        # Checkpoints (and the kept warm start beside them) go where every process can write:
+        # schedule.checkpoint_dir (e.g. gs://...) when the processes have a workdir each.
+        checkpoints = s.checkpoint_dir.rstrip("/") or os.path.join(workdir, "checkpoints")
+        self.warm_start_keep_dir = os.path.join(os.path.dirname(checkpoints), WARM_START_DIR)
+        self.checkpointer = ckpt_lib.Checkpointer(checkpoints, keep=s.keep_checkpoints)
         self.writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
+        # Multi-host: the rows of each global batch this process builds (every row on one host).
+        self.sft_layout = parallel.row_layout(self.mesh, s.sft_batch_size)
+        self.rl_layout = parallel.row_layout(self.mesh, rl_rows)
         self._demos = None
 
     def _make_grpo_step(self):
@@ -282,11 +294,10 @@ class Trainer:
             )
 
     def _keep_warm_start(self, step: int, params, meta: dict[str, Any]) -> None:
-        """Saves the warm-start params (global step `step`) in workdir/warm_start/, apart from
-        the rotating checkpoints: test-time rehearsal evaluates them as a rehearser."""
-        keeper = ckpt_lib.Checkpointer(
-            os.path.join(self.workdir, WARM_START_DIR), keep=1, async_save=False
-        )
+        """Saves the warm-start params (global step `step`) in warm_start/ beside the checkpoint
+        directory (workdir/warm_start/ by default), apart from the rotating checkpoints:
+        test-time rehearsal evaluates them as a rehearser."""
+        keeper = ckpt_lib.Checkpointer(self.warm_start_keep_dir, keep=1, async_save=False)
         config = json.loads(json.dumps(self.config.to_dict()))
         try:
             keeper.save(step, params, {**meta, "phase": "warm_start", "config": config})
@@ -314,10 +325,19 @@ class Trainer:
             demos = [with_memory.get(i, d) for i, d in enumerate(demos)]
         return demos
 
+    def _global_batch(self, batch, layout: parallel.RowLayout, shardings):
+        """The step's global batch from host rows: this process's rows (`layout.rows`), or every
+        row when a rollout mode builds the whole batch on every process."""
+        if batch.shape[0] == layout.size:
+            return shard_batch(batch, shardings)
+        return jax.tree.map(layout.to_global, batch)
+
     def _sft_batch(self, indices: list[int]):
+        """The warm-start batch of demonstrations `indices`; this process builds its rows only."""
         if self._demos is None:
             self._demos = self.sft_examples()
-        rows = [self._demos[i % len(self._demos)] for i in indices]
+        layout = self.sft_layout
+        rows = [self._demos[indices[i] % len(self._demos)] for i in layout.rows]
         T = max(len(r.ids) for r in rows)
         tokens = np.full((len(rows), T), self.pad_id, np.int32)
         roles = np.zeros((len(rows), T), np.int8)
@@ -330,11 +350,13 @@ class Trainer:
             roles=roles,
             segments=segments,
             lengths=[len(r.ids) for r in rows],
-            group=np.arange(len(rows)),
+            group=layout.rows,
             reward=np.zeros(len(rows)),
         )
-        batch = pad_to_bucket(batch, self.config.rollout.length_buckets, pad_id=self.pad_id)
-        return shard_batch(batch, self.sft_shardings)
+        longest = parallel.process_max(T)  # every process pads to the same bucket
+        bucket = bucket_length(longest, self.config.rollout.length_buckets)
+        batch = pad_to_bucket(batch, (bucket,), pad_id=self.pad_id)
+        return self._global_batch(batch, layout, self.sft_shardings)
 
     def _run_sft(self, state: TrainState, start: int) -> TrainState:
         s = self.config.schedule
@@ -381,16 +403,18 @@ class Trainer:
         self.rehearse_sampler.set_params(self._rehearsal_params(params))
         e = self.config.eval
         sampling = SamplingParams(greedy=True) if e.greedy else SamplingParams(temperature=1.0)
+        layout = parallel.row_layout(self.mesh, len(tasks))  # each process runs its tasks
         results = real_env_rollouts(
             self.host_sampler,
             self.tokenizer,
-            tasks,
+            [tasks[i] for i in layout.rows],
             self.make_env,
             key=key,
             sampling=sampling,
             max_new_tokens=e.max_new_tokens,
+            layout=layout,
         )
-        m = real_env_metrics(results)
+        m = real_env_metrics(results, everywhere=True)
         fidelity = 0.0
         if e.fidelity_tasks:
             fid_tasks = tasks[: e.fidelity_tasks]
@@ -403,8 +427,11 @@ class Trainer:
                 sampling=sampling,
                 max_new_tokens=e.max_new_tokens,
                 length_buckets=self.config.rollout.length_buckets,
+                layout=parallel.row_layout(self.mesh, len(fid_tasks)),
             )
-            fidelity, _ = rehearsal_fidelity(rb.episodes, fid_tasks, self.make_env)
+            share, compared = rehearsal_fidelity(rb.episodes, rb.tasks, self.make_env)
+            matched, compared = parallel.process_sum([share * compared, compared])
+            fidelity = float(matched / compared) if compared else 0.0
         return EvalResult(
             m["success"], m["reward"], m["tool_error_rate"], m["invalid_rate"], fidelity
         )
@@ -439,6 +466,7 @@ class Trainer:
             sampling=sampling,
             max_new_tokens=r.max_new_tokens,
             length_buckets=r.length_buckets,
+            layout=self.rl_layout,
         )
 
     def _run_rl(self, state: TrainState, start: int, meta: dict[str, Any]) -> TrainState:
@@ -456,7 +484,8 @@ class Trainer:
             tasks = [self.train_tasks[i] for i in stream.next_indices(r.tasks_per_step)]
             rb = self.rollouts(state.params, tasks, jax.random.fold_in(self.key, g), sampling)
             t1 = time.time()
-            state, metrics = self.grpo_step(state, shard_batch(rb.batch, self.rl_shardings))
+            batch = self._global_batch(rb.batch, self.rl_layout, self.rl_shardings)
+            state, metrics = self.grpo_step(state, batch)
             m = {k: float(v) for k, v in metrics.items()}
             self._check_finite(m, "RL", g, last_good)
             m.update({f"rollout_{k}": v for k, v in rb.stats.items()})
@@ -519,17 +548,17 @@ class Trainer:
         return self._finish(state, meta["sft_eval"], final, time.time() - t_start)
 
     def _finish(self, state, sft_eval: dict, final: EvalResult, seconds: float) -> dict[str, Any]:
-        rows = read_metrics(self.writer.path)
-        png = os.path.join(self.workdir, "curves.png")
-        plot_curves(
-            rows,
-            png,
-            [
-                ("rl", "rollout_reward", "rollout reward (train)"),
-                ("eval", "success", "real-env success (held out)"),
-                ("eval", "fidelity", "rehearsal fidelity (held out)"),
-            ],
-        )
+        primary = self.writer.enabled  # process 0 writes the outputs; all take part in the export
+        if primary:
+            plot_curves(
+                read_metrics(self.writer.path),
+                os.path.join(self.workdir, "curves.png"),
+                [
+                    ("rl", "rollout_reward", "rollout reward (train)"),
+                    ("eval", "success", "real-env success (held out)"),
+                    ("eval", "fidelity", "rehearsal fidelity (held out)"),
+                ],
+            )
         header = ["policy", "success", "reward", "tool errors", "invalid", "fidelity"]
         keys = ["success", "reward", "tool_error_rate", "invalid_rate", "fidelity"]
         summary = table(
@@ -548,12 +577,14 @@ class Trainer:
             save_hf_model(
                 model, model.cfg, os.path.join(self.workdir, name), tokenizer=self.tokenizer
             )
-        with open(os.path.join(self.workdir, "summary.md"), "w") as f:
-            f.write(summary + "\n")
-        print(f"\nHeld-out real-environment evaluation ({len(self.eval_tasks)} tasks):\n{summary}")
-        outputs = "metrics.jsonl, tensorboard/, curves.png, summary.md, checkpoints/, export/"
-        print(f"\nworkdir: {self.workdir} ({outputs})")
-        print(f"total time {seconds:.0f}s")
+        if primary:
+            with open(os.path.join(self.workdir, "summary.md"), "w") as f:
+                f.write(summary + "\n")
+            tasks = len(self.eval_tasks)
+            print(f"\nHeld-out real-environment evaluation ({tasks} tasks):\n{summary}")
+            outputs = "metrics.jsonl, tensorboard/, curves.png, summary.md, checkpoints/, export/"
+            print(f"\nworkdir: {self.workdir} ({outputs})")
+            print(f"total time {seconds:.0f}s")
         self.writer.close()
         self.checkpointer.close()
         return {"sft": sft_eval, "final": final.as_dict(), "seconds": seconds}

@@ -5,11 +5,15 @@ pauses that row, the host parses the calls and executes them in the row's enviro
 observation is appended on top of the KV cache (never re-prefilling the history) as CONTEXT.
 The episode is scored by the environment's own success test (final state and final reply) and
 by the rule judge.
+
+Multi-host (`layout`): each process steps the environments of its own rows only; the sampler
+runs on the global batch, and the processes agree on when to resume and when every row is done.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from envace_jax import parallel
 from envace_jax.envs.base import error_code, result_text
 from envace_jax.rewards.rule_judge import judge
 from envace_jax.rl.batch import STATUS_INVALID
@@ -24,7 +29,7 @@ from envace_jax.rollout.episodes import Episode, build_episode, response_matches
 from envace_jax.rollout.world_rehearsal import task_prompts
 from envace_jax.sampling.chat_spec import observation_ids
 from envace_jax.sampling.distributions import SamplingParams
-from envace_jax.sampling.loop import Status, Trajectories, to_trajectories
+from envace_jax.sampling.loop import Status, Trajectories
 from envace_jax.sampling.sampler import Sampler
 from envace_jax.text.tool_calls import parse_tool_calls
 from envace_jax.text.trajectory import Role
@@ -59,11 +64,14 @@ def real_env_rollouts(
     sampling: SamplingParams,
     max_new_tokens: int,
     prompts: Sequence[Sequence[int]] | None = None,
+    layout: parallel.RowLayout | None = None,
 ) -> list[RealEpisode]:
     """One committed execution of every task in a fresh environment (sampler mode 'host').
 
     prompts: optional prompt ids per task (e.g. with a rehearsal memory in the context);
-    default: the task's opening messages."""
+    default: the task's opening messages.
+    layout: the global batch's rows; `tasks` (and `prompts`) are then this process's rows
+    (`layout.rows`), and every process must call this together."""
     return real_env_trajectories(
         sampler,
         tokenizer,
@@ -73,6 +81,7 @@ def real_env_rollouts(
         sampling=sampling,
         max_new_tokens=max_new_tokens,
         prompts=prompts,
+        layout=layout,
     )[0]
 
 
@@ -86,6 +95,7 @@ def real_env_trajectories(
     sampling: SamplingParams,
     max_new_tokens: int,
     prompts: Sequence[Sequence[int]] | None = None,
+    layout: parallel.RowLayout | None = None,
 ) -> tuple[list[RealEpisode], Trajectories]:
     """`real_env_rollouts`, and the sampled rows (observations are CONTEXT), for training."""
     if sampler.spec.mode != "host":
@@ -102,15 +112,17 @@ def real_env_trajectories(
         sampling=sampling,
         max_new_tokens=max_new_tokens,
         user_turns=users,
+        layout=layout,
     )
     while True:
-        waiting = np.flatnonzero(np.asarray(state.status) == Status.AWAITING_ENV)
-        if len(waiting) == 0:
+        rows = _host_rows(state, layout)
+        waiting = np.flatnonzero(np.asarray(rows.status) == Status.AWAITING_ENV)
+        if not _anywhere(len(waiting) > 0, layout):
             break
         obs: list[list[int] | None] = [None] * len(tasks)
         invalid = []
         for b in waiting:
-            action = parse_tool_calls(_last_act_text(tokenizer, state, b), tasks[b].tools)
+            action = parse_tool_calls(_last_act_text(tokenizer, rows, b), tasks[b].tools)
             if action.error is not None or not action.calls:
                 invalid.append(b)
                 continue
@@ -119,11 +131,16 @@ def real_env_trajectories(
             texts = [result_text(r) for r in results]
             observations[b].append(texts)
             obs[b] = observation_ids(tokenizer, texts)
-        if invalid:
+        if layout is not None:
+            if _anywhere(bool(invalid), layout):
+                status = np.asarray(rows.status).copy()
+                status[invalid] = Status.INVALID
+                state = sampler.set_status(state, status, layout)
+        elif invalid:
             state = state.replace(status=state.status.at[jnp.asarray(invalid)].set(Status.INVALID))
-        if any(o is not None for o in obs):
-            state = sampler.resume(state, obs, sampling=sampling)
-    out = to_trajectories(state, tokenizer.pad_token_id)
+        if _anywhere(any(o is not None for o in obs), layout):
+            state = sampler.resume(state, obs, sampling=sampling, layout=layout)
+    out = sampler.trajectories(state, layout)
     results = []
     for b, task in enumerate(tasks):
         ep = build_episode(
@@ -146,14 +163,43 @@ def real_env_trajectories(
     return results, out
 
 
-def real_env_metrics(results: Sequence[RealEpisode]) -> dict[str, float]:
+def _host_rows(state, layout: parallel.RowLayout | None):
+    """The loop state's fields the host reads, for this process's rows."""
+    if layout is None:
+        return state
+    fields = ("tokens", "roles", "segments", "length", "status")
+    return types.SimpleNamespace(**{k: layout.to_local(getattr(state, k)) for k in fields})
+
+
+def _anywhere(flag: bool, layout: parallel.RowLayout | None) -> bool:
+    """`flag` on any process: they all call the sampler together or not at all."""
+    return bool(flag) if layout is None else parallel.process_max(int(bool(flag))) > 0
+
+
+def real_env_metrics(results: Sequence[RealEpisode], everywhere: bool = False) -> dict[str, float]:
+    """Success, reward, tool-error rate, invalid rate and calls per episode (over every process's
+    episodes when `everywhere`: a collective)."""
     calls = sum(len(r.episode.calls) for r in results)
+    sums = np.asarray(
+        [
+            len(results),
+            sum(r.success for r in results),
+            sum(r.reward for r in results),
+            sum(r.call_errors for r in results),
+            calls,
+            sum(r.episode.status == STATUS_INVALID for r in results),
+        ],
+        float,
+    )
+    if everywhere:
+        sums = parallel.process_sum(sums)
+    n, success, reward, errors, calls, invalid = sums
     return {
-        "success": float(np.mean([r.success for r in results])),
-        "reward": float(np.mean([r.reward for r in results])),
-        "tool_error_rate": sum(r.call_errors for r in results) / max(calls, 1),
-        "invalid_rate": float(np.mean([r.episode.status == STATUS_INVALID for r in results])),
-        "calls_mean": calls / max(len(results), 1),
+        "success": float(success / max(n, 1)),
+        "reward": float(reward / max(n, 1)),
+        "tool_error_rate": float(errors / max(calls, 1)),
+        "invalid_rate": float(invalid / max(n, 1)),
+        "calls_mean": float(calls / max(n, 1)),
     }
 
 

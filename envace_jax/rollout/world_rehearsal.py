@@ -17,8 +17,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from envace_jax import parallel
 from envace_jax.rewards.rule_judge import judge
-from envace_jax.rl.batch import STATUS_NAMES, TrajectoryBatch, from_numpy, pad_to_bucket
+from envace_jax.rl.batch import (
+    STATUS_NAMES,
+    TrajectoryBatch,
+    bucket_length,
+    from_numpy,
+    pad_to_bucket,
+)
 from envace_jax.rollout.episodes import Episode, build_episodes
 from envace_jax.sampling.chat_spec import later_user_turns
 from envace_jax.sampling.distributions import SamplingParams
@@ -54,23 +61,44 @@ def rehearsal_rollouts(
     max_new_tokens: int,
     length_buckets: Sequence[int],
     batch_size: int | None = None,
+    layout: parallel.RowLayout | None = None,
 ) -> RolloutBatch:
-    """Samples `group_size` world-rehearsal trajectories of every task and judges them."""
-    rows = [t for t in tasks for _ in range(group_size)]
+    """Samples `group_size` world-rehearsal trajectories of every task and judges them.
+
+    Rows are task-major (row r is task r // group_size, its group). With a `layout` of those
+    len(tasks) * group_size rows (multi-host), this process samples, judges and returns only
+    its rows (`layout.rows`, global group ids, a length bucket agreed by all processes);
+    `stats` cover every process's rows."""
+    all_rows = [t for t in tasks for _ in range(group_size)]
+    index = np.arange(len(all_rows))
+    if layout is not None:
+        if layout.size != len(all_rows):
+            raise ValueError(f"layout of {layout.size} rows for {len(all_rows)} rollouts")
+        index = layout.rows
+    rows = [all_rows[i] for i in index]
     prompts, users = task_prompts(tokenizer, rows)
     out = sampler.generate(
-        prompts, key=key, sampling=sampling, max_new_tokens=max_new_tokens, user_turns=users
+        prompts,
+        key=key,
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        user_turns=users,
+        layout=layout,
     )
     episodes = build_episodes(tokenizer, rows, out)
     rewards = np.asarray(
         [judge(t, ep.messages).score for t, ep in zip(rows, episodes, strict=True)]
     )
-    group = np.repeat(np.arange(len(tasks)), group_size)
+    group = index // group_size
+    lengths = np.asarray([ep.end for ep in episodes], np.int32)
+    if layout is not None:  # every process's rows padded to the same length
+        longest = parallel.process_max(int(lengths.max(initial=1)))
+        length_buckets = (bucket_length(longest, length_buckets),)
     batch = judged_batch(
         tokenizer, out, episodes, rewards, group, length_buckets, batch_size=batch_size
     )
-    lengths = np.asarray([ep.end for ep in episodes], np.int32)
-    return RolloutBatch(batch, episodes, rows, rollout_stats(episodes, rewards, lengths))
+    stats = rollout_stats(episodes, rewards, lengths, everywhere=layout is not None)
+    return RolloutBatch(batch, episodes, rows, stats)
 
 
 def judged_batch(
@@ -102,15 +130,26 @@ def judged_batch(
     )
 
 
-def rollout_stats(episodes: Sequence[Episode], rewards: np.ndarray, lengths: np.ndarray) -> dict:
+def rollout_stats(
+    episodes: Sequence[Episode],
+    rewards: np.ndarray,
+    lengths: np.ndarray,
+    everywhere: bool = False,
+) -> dict:
+    """Means over the rows (over every process's rows when `everywhere`: a collective)."""
     status = np.asarray([ep.status for ep in episodes])
-    stats = {
-        "reward": float(rewards.mean()),
-        "reward_std": float(rewards.std()),
-        "tokens_mean": float(lengths.mean()),
-        "calls_mean": float(np.mean([len(ep.calls) for ep in episodes])),
-        "final_reply_rate": float(np.mean([ep.final_reply is not None for ep in episodes])),
+    per_row = {
+        "reward": rewards,
+        "reward_sq": np.square(rewards),
+        "tokens_mean": lengths,
+        "calls_mean": [len(ep.calls) for ep in episodes],
+        "final_reply_rate": [ep.final_reply is not None for ep in episodes],
     }
     for code, name in enumerate(STATUS_NAMES):
-        stats[f"status_{name}"] = float((status == code).mean())
-    return stats
+        per_row[f"status_{name}"] = status == code
+    sums = np.asarray([len(episodes)] + [np.sum(np.asarray(v, float)) for v in per_row.values()])
+    if everywhere:
+        sums = parallel.process_sum(sums)
+    means = dict(zip(per_row, sums[1:] / max(sums[0], 1), strict=True))
+    means["reward_std"] = float(np.sqrt(max(means.pop("reward_sq") - means["reward"] ** 2, 0.0)))
+    return {k: float(v) for k, v in means.items()}
