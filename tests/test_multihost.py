@@ -170,3 +170,54 @@ def test_resume_across_the_two_process_run(uninterrupted):
         np.testing.assert_array_equal(p0[k], p1[k], err_msg=k)
         np.testing.assert_allclose(p0[k], reference[k], atol=1e-6, err_msg=k)
     assert sorted(int(s) for s in os.listdir(resumed_dir) if s.isdigit()) == [1, 2, 3, 4]
+
+
+SAMPLER_ON_A_MESH = """
+import jax, numpy as np
+from flax import nnx
+from envace_jax import parallel
+from envace_jax.models.config import get_preset
+from envace_jax.models.decoder import Decoder
+from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.sampling.loop import TurnSpec
+from envace_jax.sampling.sampler import Sampler
+
+model = Decoder(get_preset("tiny-qwen3"), rngs=nnx.Rngs(0))
+spec = TurnSpec(end_id=3, tool_call_id=4, mode="generate", max_message_tokens=24)
+rng = np.random.default_rng(0)
+prompts = [list(rng.integers(5, 500, size=n)) for n in (3, 9, 17, 5)]
+kwargs = dict(key=jax.random.key(1), sampling=SamplingParams(temperature=1.0), max_new_tokens=24)
+one_device = Sampler(model, spec, pad_id=0).generate(prompts, **kwargs)
+
+mesh = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 2})
+parallel.shard_model(model, mesh)
+layout = parallel.row_layout(mesh, 4)
+sampler = Sampler(model, spec, pad_id=0)
+state = sampler.start([prompts[i] for i in layout.rows], layout=layout, **kwargs)
+cache_spec = tuple(state.cache.k.sharding.spec)  # [L, B, S, K, D]: rows and KV heads split
+assert cache_spec[:4] == (None, "fsdp", None, "tensor"), cache_spec
+on_mesh = sampler.trajectories(state, layout)
+np.testing.assert_array_equal(on_mesh.tokens, one_device.tokens)
+np.testing.assert_array_equal(on_mesh.lengths, one_device.lengths)
+np.testing.assert_allclose(on_mesh.logprobs, one_device.logprobs, atol=2e-5)
+print("OK")
+"""
+
+
+def test_sampler_on_the_train_mesh_matches_one_device():
+    """The sampler on the step's mesh (rows over fsdp, KV heads over tensor) samples the same
+    tokens as on one device."""
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SAMPLER_ON_A_MESH)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
