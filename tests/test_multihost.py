@@ -151,7 +151,8 @@ def test_two_processes_agree_and_split_the_data(uninterrupted):
     for name in ("metrics.jsonl", "summary.md", "curves.png", "export"):
         assert os.path.exists(os.path.join(wd0, name)), name
         assert not os.path.exists(os.path.join(wd1, name)), name
-    phases = {json.loads(x)["phase"] for x in open(os.path.join(wd0, "metrics.jsonl"))}
+    with open(os.path.join(wd0, "metrics.jsonl")) as f:
+        phases = {json.loads(x)["phase"] for x in f}
     assert {"sft", "rl", "eval"} <= phases
 
 

@@ -385,7 +385,8 @@ def test_shellcheck_passes():
 
 def _doc_commands():
     """Shell lines of docs/tpu.md's ```bash blocks (continuations joined), and the exports."""
-    text = open(os.path.join(REPO, "docs", "tpu.md"), encoding="utf-8").read()
+    with open(os.path.join(REPO, "docs", "tpu.md"), encoding="utf-8") as f:
+        text = f.read()
     lines = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         block = re.sub(r"\\\n\s*", " ", block)
