@@ -333,10 +333,10 @@ def test_every_error_rule():
         ),
         ({"name": "find_customer", "arguments": {"name": "Zed"}}, "not_found"),
         ({"name": "list_orders", "arguments": {"customer_id": "C0"}}, "not_found"),
-        ({"name": "get_order", "arguments": {"order_id": "O1"}}, "not_found"),
+        ({"name": "get_order", "arguments": {"order_id": "O0"}}, "not_found"),
         ({"name": "get_balance", "arguments": {"account_id": "A0"}}, "not_found"),
-        ({"name": "cancel_order", "arguments": {"order_id": "O1"}}, "not_found"),
-        ({"name": "refund", "arguments": {"order_id": "O1"}}, "not_found"),
+        ({"name": "cancel_order", "arguments": {"order_id": "O0"}}, "not_found"),
+        ({"name": "refund", "arguments": {"order_id": "O0"}}, "not_found"),
         ({"name": "cancel_order", "arguments": {"order_id": shipped_o}}, "bad_status"),
         ({"name": "refund", "arguments": {"order_id": open_o}}, "bad_status"),
         (

@@ -55,7 +55,7 @@ SPLITS = ("train", "validation", "test")
 MAX_TASKS_PER_SEED = 1_000_003
 EXTRA_TOOLS = 1  # distractor tools offered next to the ones a task's solution uses
 SYSTEM_PROMPT = (
-    "Shop assistant. Use the tools; take ids from tool results. Reply briefly with the result. "
+    "Shop assistant: use the tools, take ids from tool results, reply with the result.\n"
     "Errors: unknown id not_found, wrong status bad_status, over balance no_funds.\n"
 )
 # Raw checklist weights (normalised to sum to 1 per turn): outcome items weigh more.

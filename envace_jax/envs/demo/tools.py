@@ -41,25 +41,23 @@ def _schema(tool: str, description: str, /, **params: str) -> dict[str, Any]:
 TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
     s["function"]["name"]: s
     for s in (
-        _schema("find_customer", "Find a customer by exact name: id, account.", name="string"),
+        _schema("find_customer", "Customer by exact name: id, account.", name="string"),
         _schema("list_orders", "A customer's orders: id, item, status.", customer_id="string"),
         _schema("get_order", "An order: id, customer, item, price, status.", order_id="string"),
         _schema("get_balance", "An account's balance.", account_id="string"),
         _schema(
             "cancel_order",
-            "Cancel an open order; its price goes back to the owner's balance. "
-            "Gives the new balance.",
+            "Cancel an open order; its price goes to the owner's balance. Gives it.",
             order_id="string",
         ),
         _schema(
             "refund",
-            "Refund a shipped order; its price goes back to the owner's balance. "
-            "Gives the new balance.",
+            "Refund a shipped order; its price goes to the owner's balance. Gives it.",
             order_id="string",
         ),
         _schema(
             "transfer",
-            "Move amount (at least 1) between accounts. Gives the new balance of from_id.",
+            "Move amount (at least 1) between accounts. Gives from_id's balance.",
             from_id="string",
             to_id="string",
             amount="integer",

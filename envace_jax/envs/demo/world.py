@@ -5,12 +5,14 @@ for equality:
 
     {"customers": [{"id": "C3", "name": "Ben", "account": "A7"}, ...],
      "accounts":  [{"id": "A7", "balance": 120}, ...],
-     "orders":    [{"id": "O203", "customer": "C3", "item": "lamp", "price": 30,
+     "orders":    [{"id": "O5", "customer": "C3", "item": "lamp", "price": 12,
                     "status": "open"}, ...]}
 
 Order status is one of ``open`` (can be cancelled), ``shipped`` (can be refunded),
-``cancelled`` or ``refunded``. Strings are short (short names, ids like ``C3``/``A7``/``O203``,
-integer amounts) so that a small BPE vocabulary covers them and prompts stay short.
+``cancelled`` or ``refunded``. Strings are short (short names, one-digit ids like ``C3``/``A7``/
+``O5``, integer amounts below 100) so that prompts stay short and a policy of about a million
+parameters copies an id or an amount with one or two digit tokens: copying longer digit
+strings exactly is what such a policy fails at first (the demo tokenizer splits digits).
 """
 
 from __future__ import annotations
@@ -43,25 +45,30 @@ STATUSES = (OPEN, SHIPPED, CANCELLED, REFUNDED)
 def generate_world(rng: random.Random, n_customers: int = 3, max_orders: int = 2) -> World:
     """A random world: `n_customers` customers (at least one look-alike name pair), each
     with an account and 1..`max_orders` orders with distinct items."""
+    if not 2 <= n_customers <= 9 or not 1 <= max_orders or n_customers * max_orders > 9:
+        raise ValueError(
+            f"generate_world: ids are one digit, so need 2 <= n_customers <= 9 and "
+            f"n_customers * max_orders <= 9 (got {n_customers} and {max_orders})"
+        )
     groups = rng.sample(NAME_GROUPS, 2)
     names = rng.sample(groups[0], 2) + rng.sample(groups[1], n_customers - 2)
     rng.shuffle(names)
-    cids = rng.sample(range(1, 100), n_customers)
-    aids = rng.sample(range(1, 100), n_customers)
+    cids = rng.sample(range(1, 10), n_customers)
+    aids = rng.sample(range(1, 10), n_customers)
     n_orders = [rng.randint(1, max_orders) for _ in range(n_customers)]
-    oids = sorted(rng.sample(range(10, 100), sum(n_orders)))
+    oids = sorted(rng.sample(range(1, 10), sum(n_orders)))
     world: World = {"customers": [], "accounts": [], "orders": []}
     k = 0
     for name, cid, aid, n in zip(names, cids, aids, n_orders, strict=True):
         world["customers"].append({"id": f"C{cid}", "name": name, "account": f"A{aid}"})
-        world["accounts"].append({"id": f"A{aid}", "balance": 5 * rng.randint(4, 40)})
+        world["accounts"].append({"id": f"A{aid}", "balance": 5 * rng.randint(2, 12)})
         for item in rng.sample(ITEMS, n):
             world["orders"].append(
                 {
                     "id": f"O{oids[k]}",
                     "customer": f"C{cid}",
                     "item": item,
-                    "price": rng.randint(3, 60),
+                    "price": rng.randint(2, 15),
                     "status": rng.choice((OPEN, OPEN, SHIPPED, SHIPPED, CANCELLED)),
                 }
             )
