@@ -14,8 +14,9 @@ Design choices (why):
   or a special token, so no BPE merge can cross a role boundary and the role pieces compose to
   exactly the template's ids whatever text the roles write.
 - Digits are split one by one (ids, dates and amounts are common in tool calls).
-- The training corpus is generated text of a shop / bank / calendar tool-use world (the
-  language the demo domain is built on), JSON tool calls and responses, and plain sentences.
+- The training corpus is generated text of a shop / bank / calendar tool-use world, JSON tool
+  calls and responses, plain sentences, and oracle conversations of the demo domain (so the
+  demo policy, which trains on a CPU in minutes, reads short sequences).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ SEED = 20240611
 NUM_DIALOGUES = 1500
 NUM_SENTENCES = 3000
 NUM_PLAIN = 20000
+NUM_DEMO_DIALOGUES = 2000
 
 # (content, special): Qwen3 marks the chat-control tokens special and the tool/think tags not
 # special (so decoding with skip_special_tokens keeps them).
@@ -550,12 +552,35 @@ def _sentence(w: World) -> str:
     return r.choice(templates)
 
 
+def _demo_dialogues(n: int) -> list[str]:
+    """Oracle conversations of the demo domain's tasks (a split no run trains or evaluates
+    on), in the same text layout as `_dialogue`: the demo policy's prompts and trajectories
+    then cost ~25% fewer tokens, and a name or id is a token or two wherever it appears."""
+    from envace_jax.envs.demo import generate_tasks  # the package, from this checkout
+
+    docs = []
+    for task in generate_tasks(seed=SEED % 1000, n=n, split="test"):
+        m = task.reference_messages
+        parts = [f"system\n{m[0]['content']}\n", f"user\n{m[1]['content']}\n"]
+        for msg in m[2:]:
+            if msg["role"] == "tool":
+                parts.append(f"user\n<tool_response>\n{msg['content']}\n</tool_response>\n")
+            elif msg.get("tool_calls"):
+                fn = msg["tool_calls"][0]["function"]
+                parts.append(f"assistant\n{_call(fn['name'], fn['arguments'])}\n")
+            else:
+                parts.append(f"assistant\n{msg['content']}\n")
+        docs.append("".join(parts))
+    return docs
+
+
 def make_corpus(seed: int = SEED) -> list[str]:
     """The deterministic training corpus (a list of documents)."""
     w = World(random.Random(seed))
     docs = [_dialogue(w) for _ in range(NUM_DIALOGUES)]
     docs += [_sentence(w) for _ in range(NUM_SENTENCES)]
     docs += [_plain(w) for _ in range(NUM_PLAIN)]
+    docs += _demo_dialogues(NUM_DEMO_DIALOGUES)
     return docs
 
 
