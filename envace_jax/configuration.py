@@ -87,6 +87,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.schedule = ml_collections.ConfigDict()
     c.schedule.sft_steps = 400  # Warm-start optimizer steps.
     c.schedule.sft_batch_size = 8  # Demonstrations per warm-start step.
+    # Warm-start batches come `sft_length_window` at a time, sorted by length inside the window
+    # so that each is padded little (1 = plain shuffled batches).
+    c.schedule.sft_length_window = 16
     c.schedule.rl_steps = 16  # RL steps after the warm start.
     c.schedule.eval_every = 8  # RL steps between real-environment evaluations (0 = end only).
     c.schedule.checkpoint_every = 25  # Steps (SFT and RL) between checkpoints.
@@ -177,6 +180,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "schedule.sft_steps": _int(0),
     "schedule.sft_batch_size": _int(1),
+    "schedule.sft_length_window": _int(1),
     "schedule.rl_steps": _int(0),
     "schedule.eval_every": _int(0),
     "schedule.checkpoint_every": _int(1),

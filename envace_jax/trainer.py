@@ -46,7 +46,7 @@ from envace_jax import checkpoint as ckpt_lib
 from envace_jax import parallel
 from envace_jax.build import build_mesh, build_model, build_tokenizer
 from envace_jax.configuration import step_configs
-from envace_jax.data.stream import TaskStream
+from envace_jax.data.stream import TaskStream, length_grouped_batch
 from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks
 from envace_jax.metrics import (
     MetricsWriter,
@@ -362,13 +362,14 @@ class Trainer:
         s = self.config.schedule
         if self._demos is None:
             self._demos = self.sft_examples()
-        stream = TaskStream(
-            range(len(self._demos)), self.config.seed, position=start * s.sft_batch_size
-        )
+        lengths = [len(d.ids) for d in self._demos]
         progress = Progress("warm start", self.sft_steps, start)
         last_good = start
         for step in range(start + 1, self.sft_steps + 1):
-            batch = self._sft_batch(stream.next_indices(s.sft_batch_size))
+            indices = length_grouped_batch(
+                lengths, self.config.seed, step - 1, s.sft_batch_size, s.sft_length_window
+            )
+            batch = self._sft_batch(indices)
             state, metrics = self.sft_step(state, batch)
             if step % s.log_every == 0 or step == self.sft_steps:
                 m = {k: float(v) for k, v in metrics.items()}
@@ -378,7 +379,7 @@ class Trainer:
             if step % s.checkpoint_every == 0 and step < self.sft_steps:
                 m = {k: float(v) for k, v in metrics.items()}
                 self._check_finite(m, "warm-start", step, last_good)
-                self._save(step, state, {"phase": "sft", "data_position": stream.position})
+                self._save(step, state, {"phase": "sft", "data_position": step * s.sft_batch_size})
                 last_good = step
         return state
 

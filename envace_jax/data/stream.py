@@ -113,3 +113,25 @@ class TaskStream:
 
     def __next__(self) -> Any:
         return self.next_batch(1)[0]
+
+
+def length_grouped_batch(lengths, seed: int, step: int, batch_size: int, window: int) -> list[int]:
+    """Source indices of batch `step` (0-based) when batches are grouped by length.
+
+    The stream's records are taken `window` batches at a time; inside a window they are
+    sorted by `lengths[index]` and cut into `window` batches, which are visited in a seeded
+    random order. Rows of one batch then have similar lengths, so a batch padded to its longest
+    row wastes little (the usual bucket-by-length sampling), and every record is still seen
+    once per epoch. A pure function of `step`: resuming needs no state beyond the step.
+    """
+    if window < 1 or batch_size < 1 or step < 0:
+        raise ValueError(
+            f"need window >= 1, batch_size >= 1, step >= 0 (got {window}, {batch_size}, {step})"
+        )
+    w, j = divmod(step, window)
+    stream = TaskStream(range(len(lengths)), seed, position=w * window * batch_size)
+    chunk = stream.next_indices(window * batch_size)
+    chunk.sort(key=lambda i: (lengths[i], i))
+    order = np.random.default_rng([seed, w, 1]).permutation(window)
+    k = int(order[j])
+    return chunk[k * batch_size : (k + 1) * batch_size]
