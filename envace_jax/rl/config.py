@@ -130,6 +130,10 @@ class SFTConfig:
 
     train_roles: tuple[str, ...] = ("act", "rehearse")  # Roles whose tokens carry the loss.
     loss_agg: str = "token-mean"  # 'token-mean', 'message-mean' or 'seq-mean-token-mean'.
+    # Weight of a language-model loss on the context tokens (system and user turns, chat glue)
+    # next to the trained roles' loss (weight 1). 0 = plain SFT. A policy trained from scratch
+    # (the demo) learns to read the prompt's records and copy from them sooner with it.
+    context_weight: float = 0.0
     mini_batches: int = 1  # Optimizer updates per batch; the rows are split evenly.
     micro_batches: int = 1  # Gradient-accumulation chunks per update.
 
@@ -172,6 +176,7 @@ _GRPO_RULES = {
 _SFT_RULES = {
     "train_roles": _ROLES,
     "loss_agg": _one_of(LOSS_AGGREGATIONS),
+    "context_weight": (_num(0), "a number >= 0"),
     "mini_batches": _COUNT,
     "micro_batches": _COUNT,
 }

@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from envace_jax import parallel
 from envace_jax.rl.advantages import compute_advantages, role_mask
-from envace_jax.rl.batch import STATUS_NAMES, TrajectoryBatch
+from envace_jax.rl.batch import ROLE_CONTEXT, STATUS_NAMES, TrajectoryBatch
 from envace_jax.rl.config import GRPOConfig, SFTConfig
 from envace_jax.rl.losses import policy_loss, sft_loss, token_weights
 from envace_jax.rl.optim import opt_state_shardings
@@ -394,7 +394,10 @@ def make_sft_step(
 
     def loss_fn(params, mb, w):
         logp, _ = token_logprobs(graphdef, params, rest, mb["tokens"], 1.0)
-        return sft_loss(logp, w, mb["mask"])
+        loss, sums = sft_loss(logp, w, mb["mask"])
+        if "context_w" in mb:
+            loss = loss - jnp.sum(mb["context_w"] * logp)
+        return loss, sums
 
     def step(state: TrainState, batch: TrajectoryBatch):
         _check_divisible(batch.shape[0], mini, micro, "sft")
@@ -403,6 +406,13 @@ def make_sft_step(
             "segments": batch.segments,
             "mask": role_mask(batch.roles, batch.segments, cfg.train_role_ids),
         }
+        if cfg.context_weight > 0:
+            # Real context tokens after the first (which nothing predicts), weighted to sum to
+            # context_weight per update, as each update's role loss sums to 1.
+            t = jnp.arange(batch.tokens.shape[1])[None, :]
+            ctx = (batch.roles == ROLE_CONTEXT) & (t >= 1) & (t < batch.lengths[:, None])
+            scale = cfg.context_weight * mini / jnp.maximum(ctx.sum(), 1)
+            data["context_w"] = ctx.astype(jnp.float32) * scale
         state, stats, sums = _run_updates(
             loss_fn, tx, state, _chunks(data, mini, micro), 1, cfg.loss_agg, shardings
         )
