@@ -23,10 +23,10 @@ user instruction), so the chat layout, tools and system turn are left as they ar
 
       Rehearsal memory (expected results, not real):
       plan (3 of 4 rehearsals):
-      1. find_customer {"name": "Eli"} -> {"id": "C1", "account": "A59"}
-      2. cancel_order {"order_id": "O13"} -> {"id": "O13", "status": "cancelled", ...}
+      1. find_customer {"name": "Eli"} -> {"id": "C1", "account": "A5"}
+      2. cancel_order {"order_id": "O3"} -> {"id": "O3", "status": "cancelled", ...}
       notes:
-      - refund {"order_id": "O46"} got bad_status; revise: check ids and states in the records
+      - refund {"order_id": "O6"} got bad_status; revise: check ids and states in the records
 
   Arguments and responses are compact JSON, as in tool calls and tool responses. A plan with no
   calls reads ``plan (k of N rehearsals): reply without tool calls``; no usable attempt reads
