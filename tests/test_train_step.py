@@ -15,6 +15,7 @@ from flax import nnx
 
 from envace_jax.rl import steps
 from envace_jax.rl.advantages import compute_advantages
+from envace_jax.rl.batch import from_numpy, validate
 from envace_jax.rl.config import GRPOConfig, SFTConfig
 from envace_jax.rl.optim import OptimConfig, make_optimizer, make_schedule
 from tests.rl_helpers import batch_with_policy_logprobs, numpy_token_logprobs, tiny_model
@@ -195,3 +196,123 @@ def test_grpo_and_sft_configs_from_config_dicts():
         GRPOConfig.from_config({"loss_agg": "mean"})
     with pytest.raises(ValueError, match=r"config\.sft\.train_roles"):
         SFTConfig.from_config({"train_roles": ["context"]})
+
+
+# ---------------------------------------------------------------- SFT context LM loss
+
+
+def context_batch(vocab: int, pad_seed: int = 0):
+    """Four rows of 12 tokens: context (C), ACT (A), REHEARSE (R), padding (.) past length.
+
+    row 0: CCCCAAACCRRR  length 12
+    row 1: CCCAAACC....  length 8
+    row 2: CCRRR.......  length 5
+    row 3: ............  length 0 (a padding row)
+    Padding tokens are random non-zero ids (seeded by pad_seed), so the model scores them like
+    any other token and only the step's masking can keep them out of the loss.
+    """
+    layout = ["CCCCAAACCRRR", "CCCAAACC....", "CCRRR.......", "............"]
+    lengths = np.array([12, 8, 5, 0])
+    b, t = len(layout), len(layout[0])
+    code = {"C": 0, ".": 0, "A": 1, "R": 2}
+    roles = np.array([[code[c] for c in row] for row in layout])
+    segments = np.zeros((b, t), np.int32)
+    for i in range(b):
+        seg, prev = 0, 0
+        for j in range(t):
+            if roles[i, j] and roles[i, j] != prev:
+                seg += 1
+            segments[i, j] = seg if roles[i, j] else 0
+            prev = roles[i, j]
+    tokens = np.random.default_rng(100).integers(1, vocab, (b, t))
+    pad = np.arange(t)[None, :] >= lengths[:, None]
+    tokens[pad] = np.random.default_rng(pad_seed + 1).integers(1, vocab, pad.sum())
+    out = from_numpy(
+        tokens=tokens,
+        roles=roles,
+        segments=segments,
+        lengths=lengths,
+        group=np.zeros(b),
+        reward=np.zeros(b),
+    )
+    validate(out)
+    return out
+
+
+def sft_reference(logp, batch, train_ids, weight, mini, micro=1):
+    """Expected reported SFT loss when every update sees the starting params: mean over the
+    mini-batches of their token-mean NLL on the trained roles, plus weight x the token-mean NLL
+    over the batch's real context tokens at positions >= 1. Row r lies in chunk
+    r % (mini * micro) (steps.split_rows) and chunk c in mini-batch c // micro."""
+    roles, lengths = np.asarray(batch.roles), np.asarray(batch.lengths)
+    pos = np.arange(roles.shape[1])[None, :]
+    trained = np.isin(roles, train_ids)
+    ctx = (roles == 0) & (pos >= 1) & (pos < lengths[:, None])
+    of = (np.arange(len(lengths)) % (mini * micro)) // micro
+    role_loss = np.mean([-logp[of == k][trained[of == k]].mean() for k in range(mini)])
+    return role_loss + weight * -logp[ctx].mean(), ctx
+
+
+@pytest.mark.parametrize(
+    ("roles", "weight", "mini", "micro"),
+    [
+        (("act", "rehearse"), 0.5, 1, 1),
+        (("act", "rehearse"), 2.0, 1, 2),
+        (("act",), 0.5, 2, 1),  # REHEARSE tokens are neither trained nor context
+        (("act", "rehearse"), 0.0, 2, 2),  # plain SFT
+    ],
+)
+def test_sft_context_weight_adds_a_token_mean_lm_loss_on_context(model, roles, weight, mini, micro):
+    batch = context_batch(model.cfg.vocab_size)
+    logp = numpy_token_logprobs(model, batch.tokens)
+    # A zero learning rate keeps the params fixed, so every mini-batch's loss is measured with
+    # the starting params and the NumPy reference applies to mini_batches > 1 as well.
+    tx = optax.sgd(0.0)
+    cfg = SFTConfig(
+        train_roles=roles, context_weight=weight, mini_batches=mini, micro_batches=micro
+    )
+    state = steps.init_train_state(params_of(model), tx)
+    _, metrics = steps.make_sft_step(model, tx, cfg)(state, batch)
+    expected, ctx = sft_reference(logp, batch, cfg.train_role_ids, weight, mini, micro)
+    assert ctx.sum() == 3 + 4 + 2 + 1  # real context after position 0, none from padding
+    np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
+    # The reported nll and token count stay those of the trained roles alone.
+    trained = np.isin(np.asarray(batch.roles), cfg.train_role_ids)
+    np.testing.assert_allclose(float(metrics["nll"]), -logp[trained].mean(), rtol=1e-5)
+    assert float(metrics["trained_tokens"]) == trained.sum()
+    if weight == 0:
+        plain = SFTConfig(train_roles=roles, mini_batches=mini, micro_batches=micro)
+        state = steps.init_train_state(params_of(model), tx)
+        _, m0 = steps.make_sft_step(model, tx, plain)(state, batch)
+        assert float(metrics["loss"]) == float(m0["loss"])
+
+
+def test_sft_context_loss_ignores_padding_and_trains_the_context(model):
+    tx = make_optimizer(OptimConfig(learning_rate=3e-3))
+    a, b = context_batch(model.cfg.vocab_size, 0), context_batch(model.cfg.vocab_size, 1)
+    assert (np.asarray(a.tokens) != np.asarray(b.tokens)).any()  # only the padding differs
+    step = steps.make_sft_step(model, tx, SFTConfig(context_weight=1.0))
+    (sa, ma), (sb, mb) = [step(steps.init_train_state(params_of(model), tx), x) for x in (a, b)]
+    # Padding tokens reach neither the loss nor the gradient.
+    np.testing.assert_allclose(float(ma["loss"]), float(mb["loss"]), rtol=1e-6)
+    assert_trees_close(sa.params, sb.params, atol=1e-7)
+
+    # The extra term trains the context: its NLL falls more than under plain SFT.
+    _, ctx = sft_reference(numpy_token_logprobs(model, a.tokens), a, (1, 2), 0.0, 1)
+    gains = {}
+    for w in (0.0, 1.0):
+        step = steps.make_sft_step(model, tx, SFTConfig(context_weight=w))
+        state = steps.init_train_state(params_of(model), tx)
+        for _ in range(4):
+            state, _ = step(state, a)
+        after = numpy_token_logprobs(nnx.merge(nnx.graphdef(model), state.params), a.tokens)
+        gains[w] = after[ctx].mean()
+    assert gains[1.0] > gains[0.0] + 0.05
+
+
+def test_sft_context_weight_must_be_non_negative():
+    with pytest.raises(ValueError, match="context_weight"):
+        SFTConfig(context_weight=-1)
+    with pytest.raises(ValueError, match=r"config\.sft\.context_weight"):
+        SFTConfig.from_config({"context_weight": -0.5})
+    assert SFTConfig.from_config({"context_weight": 0.3}).context_weight == 0.3
