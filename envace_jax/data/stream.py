@@ -121,13 +121,17 @@ def length_grouped_batch(lengths, seed: int, step: int, batch_size: int, window:
     The stream's records are taken `window` batches at a time; inside a window they are
     sorted by `lengths[index]` and cut into `window` batches, which are visited in a seeded
     random order. Rows of one batch then have similar lengths, so a batch padded to its longest
-    row wastes little (the usual bucket-by-length sampling), and every record is still seen
-    once per epoch. A pure function of `step`: resuming needs no state beyond the step.
+    row wastes little (the usual bucket-by-length sampling), and the records are those the
+    plain stream yields, in another order within each window. A pure function of `step`:
+    resuming needs no state beyond the step.
     """
-    if window < 1 or batch_size < 1 or step < 0:
-        raise ValueError(
-            f"need window >= 1, batch_size >= 1, step >= 0 (got {window}, {batch_size}, {step})"
-        )
+    for name, value, least in (
+        ("window", window, 1),
+        ("batch_size", batch_size, 1),
+        ("step", step, 0),
+    ):
+        if value < least:
+            raise ValueError(f"length_grouped_batch: {name} must be >= {least}, got {value}")
     w, j = divmod(step, window)
     stream = TaskStream(range(len(lengths)), seed, position=w * window * batch_size)
     chunk = stream.next_indices(window * batch_size)
