@@ -28,6 +28,7 @@ def build_server(
     max_batch: int = 32,
     chunk_steps: int = 16,
     batch_wait_ms: float = 5.0,
+    batch_max_wait_ms: float = 25.0,
     seed: int = 0,
     default_max_tokens: int | None = None,
     api_key: str | None = None,
@@ -59,6 +60,7 @@ def build_server(
         max_batch=max_batch,
         chunk_steps=chunk_steps,
         wait_s=batch_wait_ms / 1000,
+        max_wait_s=batch_max_wait_ms / 1000,
         seed=seed,
     )
     path = os.path.normpath(model_dir)
@@ -91,7 +93,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--chunk-steps", type=int, default=16, help="tokens decoded per look at the queue"
     )
-    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="batching window when idle")
+    p.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=5.0,
+        help="batching window when idle: a batch opens once no request came for this long",
+    )
+    p.add_argument("--batch-max-wait-ms", type=float, default=25.0, help="longest batching window")
     p.add_argument("--default-max-tokens", type=int, default=None, help="chat budget if unset")
     p.add_argument("--seed", type=int, default=0, help="sampling PRNG seed")
     p.add_argument(
@@ -119,6 +127,7 @@ def main(argv=None) -> int:
         max_batch=args.max_batch,
         chunk_steps=args.chunk_steps,
         batch_wait_ms=args.batch_wait_ms,
+        batch_max_wait_ms=args.batch_max_wait_ms,
         seed=args.seed,
         default_max_tokens=args.default_max_tokens,
         api_key=args.api_key,

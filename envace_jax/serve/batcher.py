@@ -2,7 +2,7 @@
 
 One engine thread owns the device state. Requests arrive from any thread as `Sequence`s (one
 generated row each); the engine keeps one running batch of B rows, a bucket from `row_buckets`
-(e.g. 1, 4, 16, 32), with a buffer of T tokens (a power of two), and alternates:
+(e.g. 1, 4, 16, 32), with a buffer of T tokens (bucketed, see below), and alternates:
 
 1. admit: waiting sequences are prefilled into free rows of the running batch (a row is free
    once its sequence stopped or was cancelled). A sequence is admitted only if it has the batch's
@@ -12,9 +12,20 @@ generated row each); the engine keeps one running batch of B rows, a bucket from
 2. decode `chunk_steps` tokens for every row (`loop.decode` with a step limit);
 3. emit every row's new tokens to its sequence's callback, and free stopped rows.
 
-When nothing runs, the first waiting request opens a short window (`wait_s`) for others to
-arrive, so concurrent requests start in one batch. Batch sizes, prompt widths and buffer lengths
-are all bucketed, so a server compiles a handful of programs, not one per request count.
+Batch sizes, prompt widths and buffer lengths are all bucketed, so a server compiles a handful
+of programs, not one per request count. Widths and lengths take two buckets per octave (16, 24,
+32, 48, 64, 96, ...) rather than the sampler's powers of two: a decode step copies every layer's
+whole KV buffer (the attention reads it transposed) and prefill pays for every padded position,
+so at 16 rows a 21-token prompt with 64 new tokens decodes ~10% faster in a 96-token buffer than
+in a 128-token one and prefills ~20% faster at width 24 than at 32, for at most twice as many
+programs.
+
+When nothing runs, the first waiting request opens a window for others to arrive, so concurrent
+requests start in one batch: it stays open while requests keep coming (each arrival extends it
+by `wait_s`, up to `max_wait_s` after the first). A burst of clients reaches the engine spread
+over several milliseconds (each request is parsed in turn on the HTTP thread); a fixed window
+splits it, and the latecomers join the running batch later, each group with a prefill of its own
+(a new shape may even compile on the spot), and keep it decoding after the first rows are done.
 
 The engine never blocks on a client: callbacks only enqueue (the HTTP layer buffers per
 request), so a slow reader delays nobody. An error while decoding fails the sequences of the
@@ -38,11 +49,22 @@ from flax import nnx
 
 from envace_jax.sampling import loop
 from envace_jax.sampling.distributions import SamplingParams
-from envace_jax.sampling.sampler import bucket, pad_rows
+from envace_jax.sampling.sampler import pad_rows
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ROW_BUCKETS = (1, 4, 16, 32)
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The smallest of minimum * (1, 1.5, 2, 3, 4, 6, ...) that is >= n (see the module
+    docstring: padding waste at most a third instead of a half)."""
+    b = minimum
+    while True:
+        for size in (b, b * 3 // 2):
+            if size >= n:
+                return size
+        b *= 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +172,8 @@ class Engine:
     max_batch: the most rows decoded together; row_buckets: batch sizes compiled (capped by
       max_batch, which is always one). chunk_steps: tokens decoded between two looks at the
       queue (latency of admission and of streamed tokens versus host overhead).
+    wait_s / max_wait_s: the batching window when idle (see the module docstring): a batch
+      opens once no request arrived for wait_s, max_wait_s after the first, or at max_batch.
     """
 
     def __init__(
@@ -162,6 +186,7 @@ class Engine:
         row_buckets: Seq[int] = DEFAULT_ROW_BUCKETS,
         chunk_steps: int = 16,
         wait_s: float = 0.005,
+        max_wait_s: float = 0.025,
         seed: int = 0,
     ):
         if spec.mode != "generate":
@@ -175,6 +200,7 @@ class Engine:
         self.row_buckets = tuple(sorted({b for b in row_buckets if b < max_batch} | {max_batch}))
         self.chunk_steps = int(chunk_steps)
         self.wait_s = float(wait_s)
+        self.max_wait_s = max(float(max_wait_s), self.wait_s)
         self._key = jax.random.key(seed)
         self._init = jax.jit(
             loop.init_state, static_argnums=(0,), static_argnames=("spec", "max_len")
@@ -254,7 +280,7 @@ class Engine:
                         continue
             try:
                 if self._batch is None:
-                    time.sleep(self.wait_s)  # the batching window
+                    self._gather()
                     self._open_batch()
                 else:
                     self._admit()
@@ -270,6 +296,20 @@ class Engine:
                     self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
             finally:
                 self._joining = []
+
+    def _gather(self) -> None:
+        """The batching window: returns once no request arrived for `wait_s` (counted from the
+        latest arrival), `max_wait_s` after the first one, at `max_batch` waiting, or on stop."""
+        with self._cv:
+            if not self._pending:
+                return
+            deadline = self._pending[0].arrived + self.max_wait_s
+            while not self._stopping and len(self._pending) < self.max_batch:
+                now = time.monotonic()
+                until = min(self._pending[-1].arrived + self.wait_s, deadline)
+                if now >= until:
+                    return
+                self._cv.wait(until - now)  # submit() notifies: the window is re-measured
 
     def _drop_cancelled_pending(self) -> None:
         for seq in [s for s in self._pending if s.cancelled]:
