@@ -100,25 +100,58 @@ class BodyLimit:
             await self._refuse(send)
 
     async def _refuse(self, send):
-        body = json.dumps(
+        await _send_json(
+            send,
+            413,
             P.error_body(
                 f"request body exceeds the limit of {self.limit} bytes",
                 "invalid_request_error",
                 code="request_too_large",
-            )
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json")],
-            }
+            ),
         )
-        await send({"type": "http.response.body", "body": body})
 
 
 class _TooLarge(Exception):
     pass
+
+
+class ApiKey:
+    """ASGI middleware: `/v1` requests need `Authorization: Bearer KEY` (401 otherwise).
+
+    Plain ASGI rather than FastAPI's `@app.middleware('http')`, whose BaseHTTPMiddleware
+    relays every streamed chunk through an extra task and memory stream: that costs CPU on the
+    event loop for each SSE event of each client, which the decode loop competes with.
+    """
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                return await _send_json(
+                    send,
+                    401,
+                    P.error_body(
+                        "missing or invalid API key (send Authorization: Bearer KEY)",
+                        "authentication_error",
+                        code="invalid_api_key",
+                    ),
+                )
+        return await self.app(scope, receive, send)
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -181,22 +214,6 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig) -> FastAPI:
     async def _on_crash(request, exc: Exception):
         log.exception("unhandled error")
         return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), config.api_key.encode()
-            ):
-                return _error(
-                    401,
-                    "missing or invalid API key (send Authorization: Bearer KEY)",
-                    "authentication_error",
-                    code="invalid_api_key",
-                )
-        return await call_next(request)
 
     # ------------------------------------------------------------------ helpers
     def check_model(name: str) -> None:
@@ -630,7 +647,8 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig) -> FastAPI:
                 "usage": P.usage(prompt_tokens, n),
             }
 
-    return BodyLimit(app, config.max_request_bytes)
+    asgi = ApiKey(app, config.api_key) if config.api_key else app
+    return BodyLimit(asgi, config.max_request_bytes)
 
 
 def _sse(events: AsyncIterator[dict], choices: Sequence[_Choice], engine: Engine):
