@@ -151,7 +151,8 @@ def main() -> None:
             for c, rps, tps, mean, p50 in rows:
                 print(f"{c:>8} {rps:>8.2f} {tps:>9.1f} {mean:>13.1f} {p50:>8.1f}")
 
-            asyncio.run(burst(url, model, 16, args.max_tokens, sequential=False))  # compile
+            for sequential in (False, True):  # compile the programs of both (rows, widths)
+                asyncio.run(burst(url, model, 16, args.max_tokens, sequential))
             t_batched, n_batched = asyncio.run(burst(url, model, 16, args.max_tokens, False))
             t_seq, n_seq = asyncio.run(burst(url, model, 16, args.max_tokens, True))
             ratio = (n_batched / t_batched) / (n_seq / t_seq)
