@@ -172,6 +172,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(parts), param
 
 
+# Yielded by the event streams before they wait: what they yielded since is written at once.
+FLUSH = None
+
+
 @dataclasses.dataclass
 class _Choice:
     seq: EngineSeq
@@ -283,15 +287,18 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig) -> FastAPI:
         return choices
 
     async def pump(choice: _Choice) -> bool:
-        """Waits for the next engine event of a choice; False once it is done."""
+        """Waits for the next engine events of a choice and takes all that are queued (a row's
+        last tokens and its end come together: one wake-up, one write); False once done."""
         if choice.done is not None:
             return False
         ev = await choice.queue.get()
-        if isinstance(ev, Tokens):
+        while isinstance(ev, Tokens):
             choice.text.add(ev.ids, ev.logprobs)
             if choice.text.stopped:
                 engine.cancel(choice.seq)  # a stop sequence: no more tokens needed
-            return True
+            if choice.queue.empty():
+                return True
+            ev = choice.queue.get_nowait()
         choice.done = ev
         if ev.finish_reason == "error":
             raise P.APIError(500, f"generation failed: {ev.error}", type="server_error")
@@ -423,6 +430,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig) -> FastAPI:
         sent = [""] * len(choices)
         pending = {asyncio.ensure_future(pump(c)): i for i, c in enumerate(choices)}
         while pending:
+            yield FLUSH
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for fut in done:
                 i = pending.pop(fut)
@@ -614,6 +622,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig) -> FastAPI:
 
         pending = {asyncio.ensure_future(pump(c)): i for i, c in enumerate(choices)}
         while pending:
+            yield FLUSH
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for fut in done:
                 i = pending.pop(fut)
@@ -651,18 +660,30 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig) -> FastAPI:
     return BodyLimit(asgi, config.max_request_bytes)
 
 
-def _sse(events: AsyncIterator[dict], choices: Sequence[_Choice], engine: Engine):
+def _sse(events: AsyncIterator[dict | None], choices: Sequence[_Choice], engine: Engine):
     """Server-sent events; an error mid-stream is sent as an error event. Sequences still
-    running when the client goes away are cancelled."""
+    running when the client goes away are cancelled.
+
+    Events are written in one piece per `FLUSH` (the stream is about to wait for the engine),
+    not one by one: a choice's last text, its finish, the usage and `[DONE]` are one write
+    instead of four, and each write costs a pass through the ASGI stack and a system call on
+    the event loop the whole server shares.
+    """
 
     async def body():
+        out = []
         try:
             try:
                 async for ev in events:
-                    yield f"data: {json.dumps(ev, ensure_ascii=False)}\n\n"
+                    if ev is not FLUSH:
+                        out.append(f"data: {json.dumps(ev, ensure_ascii=False)}\n\n")
+                    elif out:
+                        yield "".join(out)
+                        out = []
             except P.APIError as e:
-                yield f"data: {json.dumps(e.body())}\n\n"
-            yield "data: [DONE]\n\n"
+                out.append(f"data: {json.dumps(e.body())}\n\n")
+            out.append("data: [DONE]\n\n")
+            yield "".join(out)
         finally:
             for c in choices:
                 if c.done is None:
