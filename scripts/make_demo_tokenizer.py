@@ -592,6 +592,7 @@ def build_tokenizer(corpus: list[str]) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(r" (?=[\p{L}\p{N}])"), behavior="isolated"),
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]
