@@ -14,6 +14,11 @@ Design choices (why):
   or a special token, so no BPE merge can cross a role boundary and the role pieces compose to
   exactly the template's ids whatever text the roles write.
 - Digits are split one by one (ids, dates and amounts are common in tool calls).
+- A space before a letter or digit is its own token, so a word, name or id is the same token
+  after a space, a quote or a newline (`I am Sue`, `{"name": "Sue"}`, `Sue C4 ...`). A small
+  policy copies a value from its context by matching identical tokens; with GPT-style
+  space-prefixed words it would first have to learn that ` O3` and `"O3` name the same order.
+  Prose costs ~20% more tokens for it.
 - The training corpus is generated text of a shop / bank / calendar tool-use world, JSON tool
   calls and responses, plain sentences, and oracle conversations of the demo domain (so the
   demo policy, which trains on a CPU in minutes, reads short sequences).
