@@ -96,12 +96,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.schedule.keep_checkpoints = 3  # Checkpoints kept on disk.
     c.schedule.checkpoint_dir = ""  # Checkpoints: a path or gs:// URL; '' = workdir/checkpoints.
     c.schedule.log_every = 10  # SFT steps between metric lines.
+    # SFT steps between held-out copy diagnostics (envace_jax.diagnostics; 0 = off): greedy
+    # accuracy on ACT tokens and on their digits (ids, amounts) of held-out demonstrations.
+    c.schedule.probe_every = 50
     c.schedule.warm_start_dir = ""  # Workdir of a finished warm start to start RL from, or ''.
 
     c.eval = ml_collections.ConfigDict()
     c.eval.greedy = True  # Committed execution decodes greedily.
     c.eval.fidelity_tasks = 32  # Held-out tasks whose rehearsals are checked against the env.
     c.eval.max_new_tokens = 384  # Token budget of one evaluation episode.
+    c.eval.probe_tasks = 32  # Held-out tasks whose demonstrations the copy diagnostics score.
 
     c.rehearsal = ml_collections.ConfigDict()  # Test-time rehearsal (envace_jax.rollout.test_time).
     c.rehearsal.sft_memory_fraction = 0.25  # Warm-start demos whose prompt carries a memory.
@@ -187,6 +191,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "schedule.keep_checkpoints": _int(1),
     "schedule.checkpoint_dir": (lambda v: isinstance(v, str), "a directory, gs:// path, or ''"),
     "schedule.log_every": _int(1),
+    "schedule.probe_every": _int(0),
+    "eval.probe_tasks": _int(1),
     "schedule.warm_start_dir": (lambda v: isinstance(v, str), "a workdir path or ''"),
     "eval.greedy": (lambda v: isinstance(v, bool), "a bool"),
     "eval.fidelity_tasks": _int(0),

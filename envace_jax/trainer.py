@@ -47,6 +47,7 @@ from envace_jax import parallel
 from envace_jax.build import build_mesh, build_model, build_tokenizer
 from envace_jax.configuration import step_configs
 from envace_jax.data.stream import TaskStream, length_grouped_batch
+from envace_jax.diagnostics import build_copy_probe, copy_metrics
 from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks
 from envace_jax.metrics import (
     MetricsWriter,
@@ -170,6 +171,7 @@ class Trainer:
         self.sft_layout = parallel.row_layout(self.mesh, s.sft_batch_size)
         self.rl_layout = parallel.row_layout(self.mesh, rl_rows)
         self._demos = None
+        self._probe = None
 
     def _make_grpo_step(self):
         """`step(state, batch) -> (state, metrics)` of the mode. With a parameter set per role,
@@ -374,14 +376,35 @@ class Trainer:
             if step % s.log_every == 0 or step == self.sft_steps:
                 m = {k: float(v) for k, v in metrics.items()}
                 self._check_finite(m, "warm-start", step, last_good)
+                shown = {"loss": m["loss"], "nll": m["nll"]}
+                if s.probe_every and (step % s.probe_every == 0 or step == self.sft_steps):
+                    probe = self._copy_metrics(state.params)
+                    m.update(probe)
+                    shown.update({k.split("/")[1]: v for k, v in probe.items()})
                 self.writer.write(step, "sft", m)
-                progress.update(step, loss=m["loss"], nll=m["nll"])
+                progress.update(step, **shown)
             if step % s.checkpoint_every == 0 and step < self.sft_steps:
                 m = {k: float(v) for k, v in metrics.items()}
                 self._check_finite(m, "warm-start", step, last_good)
                 self._save(step, state, {"phase": "sft", "data_position": step * s.sft_batch_size})
                 last_good = step
         return state
+
+    def _copy_metrics(self, params) -> dict[str, float]:
+        """Teacher-forced accuracy on held-out demonstrations (`envace_jax.diagnostics`): does
+        the policy copy ids and amounts yet? Single-process runs only (the probe batch is a
+        host array, not a global one)."""
+        if jax.process_count() > 1:
+            return {}
+        if self._probe is None:
+            tasks = self.eval_tasks[: self.config.eval.probe_tasks]
+            examples = demonstrations(tasks, self.tokenizer)
+            longest = max(len(e.ids) for e in examples)
+            length = bucket_length(longest, self.config.rollout.length_buckets)
+            self._probe = build_copy_probe(examples, self.tokenizer, self.pad_id, length)
+        sh = self.sft_shardings
+        with jax.set_mesh(sh.mesh), parallel.axis_rules(sh.rules):
+            return copy_metrics(nnx.merge(self.graphdef, params, self.rest), self._probe)
 
     # -------------------------------------------------------------------------- evaluation
 

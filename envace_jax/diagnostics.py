@@ -1,0 +1,66 @@
+"""Held-out teacher-forced diagnostics of a policy on oracle demonstrations.
+
+Real-environment success needs the policy to copy ids and amounts exactly from its context
+(the request, the records table, earlier tool results). A small policy trained from scratch
+learns the format of its messages long before it learns to copy, and then every call fails
+while its training loss looks fine. `copy_metrics` makes that visible during the warm start:
+on demonstrations of held-out tasks, how often the policy's most likely next token is the
+demonstrated one — over all ACT tokens, and over the ACT tokens that are digits (the ids'
+and amounts' digits, which can only be copied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from envace_jax.text.trajectory import Role
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyProbe:
+    """A padded batch of demonstrations with the positions that are scored."""
+
+    tokens: np.ndarray  # [B, T] int32, right-padded
+    act: np.ndarray  # [B, T] bool: ACT tokens (targets)
+    digits: np.ndarray  # [B, T] bool: ACT tokens that are digits
+
+
+def build_copy_probe(examples: Sequence, tokenizer, pad_id: int, length: int) -> CopyProbe:
+    """`examples`: encoded conversations (`.ids`, `.roles`), cut to `length` tokens."""
+    if not examples:
+        raise ValueError("build_copy_probe: no examples")
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    is_digit = np.array([p.isdigit() for p in pieces] + [False])  # ids past the vocab: False
+    tokens = np.full((len(examples), length), pad_id, np.int32)
+    act = np.zeros((len(examples), length), bool)
+    for b, ex in enumerate(examples):
+        n = min(len(ex.ids), length)
+        tokens[b, :n] = ex.ids[:n]
+        act[b, :n] = np.asarray(ex.roles[:n]) == Role.ACT
+    act[:, 0] = False  # nothing predicts the first token
+    digits = act & is_digit[np.minimum(tokens, len(is_digit) - 1)]
+    return CopyProbe(tokens, act, digits)
+
+
+@nnx.jit
+def _argmax_tokens(model, tokens):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    logits, _ = model(tokens, positions)
+    return jnp.argmax(logits, axis=-1)
+
+
+def copy_metrics(model: nnx.Module, probe: CopyProbe) -> dict[str, float]:
+    """{'heldout/act_token_acc', 'heldout/act_digit_acc'}: teacher-forced greedy accuracy."""
+    pred = np.asarray(jax.device_get(_argmax_tokens(model, jnp.asarray(probe.tokens))))
+    hit = pred[:, :-1] == probe.tokens[:, 1:]  # prediction at t is for token t + 1
+    out = {}
+    for name, mask in (("act_token_acc", probe.act), ("act_digit_acc", probe.digits)):
+        m = mask[:, 1:]
+        out[f"heldout/{name}"] = float(hit[m].mean()) if m.any() else 0.0
+    return out

@@ -1,0 +1,70 @@
+"""Held-out copy diagnostics: scored positions and accuracies against hand-made predictors."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from envace_jax.diagnostics import build_copy_probe, copy_metrics
+from envace_jax.envs.demo import demonstrations, generate_tasks
+from envace_jax.text import load_tokenizer
+from envace_jax.text.trajectory import Role
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("demo")
+
+
+@pytest.fixture(scope="module")
+def examples(tok):
+    return demonstrations(generate_tasks(0, 6, split="validation"), tok)
+
+
+class Oracle(nnx.Module):
+    """Predicts the true next token of the probe it was made for (or a constant token)."""
+
+    def __init__(self, tokens: np.ndarray, vocab: int, constant: int | None = None):
+        nxt = np.roll(tokens, -1, axis=1)
+        if constant is not None:
+            nxt[:] = constant
+        self.logits = nnx.Variable(jnp.asarray(np.eye(vocab, dtype=np.float32)[nxt]))
+
+    def __call__(self, tokens, positions):
+        return self.logits[...], None
+
+
+def test_probe_scores_act_tokens_and_their_digits(tok, examples):
+    probe = build_copy_probe(examples, tok, tok.pad_token_id, length=1024)
+    for b, ex in enumerate(examples):
+        n = len(ex.ids)
+        roles = np.asarray(ex.roles)
+        assert probe.act[b, :n].sum() == (roles[1:] == Role.ACT).sum()  # position 0: no target
+        assert not probe.act[b, n:].any(), "padding is never scored"
+        text = tok.decode([ex.ids[i] for i in np.flatnonzero(probe.digits[b])])
+        assert text and text.isdigit()
+        # Every digit an ACT message writes is scored: the ids and amounts of its calls.
+        act_text = tok.decode([ex.ids[i] for i in np.flatnonzero(probe.act[b])])
+        assert sum(ch.isdigit() for ch in act_text) == len(text)
+
+
+def test_accuracies_against_hand_made_predictors(tok, examples):
+    probe = build_copy_probe(examples, tok, tok.pad_token_id, length=1024)
+    perfect = copy_metrics(Oracle(probe.tokens, len(tok)), probe)
+    assert perfect == {"heldout/act_token_acc": 1.0, "heldout/act_digit_acc": 1.0}
+
+    five = tok.convert_tokens_to_ids("5")
+    const = copy_metrics(Oracle(probe.tokens, len(tok), constant=five), probe)
+    targets = probe.tokens  # scored positions are targets themselves (mask aligned to tokens)
+    want_digit = float(np.mean(targets[probe.digits] == five))
+    want_act = float(np.mean(targets[probe.act] == five))
+    assert const["heldout/act_digit_acc"] == pytest.approx(want_digit)
+    assert const["heldout/act_token_acc"] == pytest.approx(want_act)
+    assert 0 < want_digit < 1
+
+
+def test_cut_examples_and_empty_input(tok, examples):
+    probe = build_copy_probe(examples, tok, tok.pad_token_id, length=64)
+    assert probe.tokens.shape == (len(examples), 64)
+    with pytest.raises(ValueError, match="no examples"):
+        build_copy_probe([], tok, tok.pad_token_id, length=64)
