@@ -43,3 +43,14 @@ def smollm2_hf_dir() -> str:
     path = cached_gguf_to_hf(gguf, os.path.join(root, "smollm2-hf"))
     print(f"\nSmolLM2 HF directory ready in {time.perf_counter() - start:.1f}s: {path}")
     return path
+
+
+def fake_devices_env(devices: int) -> dict[str, str]:
+    """Environment of a subprocess that sees `devices` fake CPU devices and imports this
+    checkout (sharding and multi-process tests run their JAX programs in a fresh process)."""
+    return dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )

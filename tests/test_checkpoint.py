@@ -23,6 +23,7 @@ import pytest
 
 from envace_jax import checkpoint as ckpt_lib
 from envace_jax.checkpoint import Checkpointer, CheckpointError
+from tests.conftest import fake_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,12 +94,7 @@ def skipped_warnings(caplog, step):
 
 
 def run_script(code: str, *args: str, devices: int = 8, timeout: int = 240):
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
+    env = fake_devices_env(devices)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         env=env,
@@ -524,12 +520,7 @@ def _free_port() -> int:
 
 def test_two_processes_share_one_directory(tmp_path):
     port, directory = str(_free_port()), str(tmp_path / "ckpt")
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
+    env = fake_devices_env(4)
     script = textwrap.dedent(MULTIPROCESS_SCRIPT)
     procs = [
         subprocess.Popen(

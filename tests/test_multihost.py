@@ -15,6 +15,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from tests.conftest import fake_devices_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 600  # seconds for one two-process run, start to finish
 
@@ -86,12 +88,7 @@ def _free_port() -> int:
 def run_two_processes(root, name, ckpt_dir):
     """Runs WORKER as processes 0 and 1; returns per process (params, record, workdir)."""
     port = str(_free_port())
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
+    env = fake_devices_env(2)
     script = textwrap.dedent(WORKER)
     procs, outs = [], []
     for i in range(2):
@@ -208,12 +205,7 @@ print("OK")
 def test_sampler_on_the_train_mesh_matches_one_device():
     """The sampler on the step's mesh (rows over fsdp, KV heads over tensor) samples the same
     tokens as on one device."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
+    env = fake_devices_env(4)
     r = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(SAMPLER_ON_A_MESH)],
         env=env,

@@ -13,6 +13,7 @@ from envace_jax.configuration import validate
 from envace_jax.models.config import get_preset
 from envace_jax.planner import estimate
 from envace_jax.planner.topology import GIB, parse_topology
+from tests.conftest import fake_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
@@ -123,12 +124,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def measured():
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
+    env = fake_devices_env(4)
     r = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(MEASURE), os.path.join(REPO, "tests")],
         env=env,
