@@ -25,9 +25,6 @@ from envace_jax import checkpoint as ckpt_lib
 from envace_jax.checkpoint import Checkpointer, CheckpointError
 from tests.conftest import fake_devices_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 # ------------------------------------------------------------------------ building blocks
 
 
@@ -410,14 +407,9 @@ time.sleep(600)
 
 def test_writer_killed_during_async_save(tmp_path, caplog):
     directory = str(tmp_path / "ckpt")
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(KILL_SCRIPT), directory],
-        env=env,
+        env=fake_devices_env(1),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

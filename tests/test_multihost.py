@@ -15,9 +15,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from tests.conftest import fake_devices_env
+from tests.conftest import REPO, fake_devices_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 600  # seconds for one two-process run, start to finish
 
 WORKER = """

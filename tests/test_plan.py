@@ -13,9 +13,8 @@ from envace_jax.configuration import validate
 from envace_jax.models.config import get_preset
 from envace_jax.planner import estimate
 from envace_jax.planner.topology import GIB, parse_topology
-from tests.conftest import fake_devices_env
+from tests.conftest import REPO, fake_devices_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
 import demo as demo_config  # noqa: E402
 import qwen3_1p7b  # noqa: E402
