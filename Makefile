@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 WORKDIR ?= workdir/demo
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint clean-venv
+.PHONY: demo demo-base test lint clean-venv
 
 $(VENV)/.base: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ $(VENV)/.test: $(VENV)/.base
 
 demo: $(VENV)/.base
 	$(PY) -m envace_jax.main --config configs/demo.py --workdir $(WORKDIR)
+
+# Rebuilds the shipped demo base policy (envace_jax/models/demo_base): ~55 minutes on 2 cores.
+demo-base: $(VENV)/.base
+	$(PY) -m envace_jax.main --config configs/demo.py:base --workdir workdir/demo_base
+	$(PY) scripts/ship_demo_base.py workdir/demo_base/export
 
 test: $(VENV)/.test
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -15,6 +15,16 @@ def get_config(variant: str | None = None):
     config = base_config()
     if variant in (None, ""):
         return config
+    if variant == "base":
+        # The shipped demo base policy (envace_jax/models/demo_base, `make demo-base`): a long
+        # warm start from random init, no RL. ~55 minutes on a 2-core CPU.
+        config.model.hf_path = ""
+        config.schedule.sft_steps = 2500
+        config.sft_optim.decay_steps = 2470
+        config.schedule.rl_steps = 0
+        config.schedule.checkpoint_every = 250
+        config.schedule.probe_every = 100
+        return config
     if variant == "rehearsal_eval":
         # Test-time rehearsal of a trained demo workdir (envace_jax.rehearsal_eval): pass the
         # train job's --workdir, or --config.rehearsal.checkpoint_dir=<its workdir>.
@@ -47,6 +57,6 @@ def get_config(variant: str | None = None):
             config.rehearsal.seeds = 2
         return config
     raise ValueError(
-        f"configs/demo.py: unknown variant {variant!r}; known: 'smoke', 'rehearsal_eval', "
+        f"configs/demo.py: unknown variant {variant!r}; known: 'smoke', 'base', 'rehearsal_eval', "
         "'rehearsal_eval_smoke'"
     )

@@ -12,6 +12,7 @@ from envace_jax import parallel
 from envace_jax.models.config import get_preset
 from envace_jax.models.decoder import Decoder
 from envace_jax.models.hf_io import load_hf_model
+from envace_jax.models.shipped import resolve_hf_path
 from envace_jax.text.tokenizer import load_tokenizer
 
 
@@ -31,9 +32,10 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh=None) -> Deco
     m = config.model
     numerics = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
     if m.hf_path:
-        if not os.path.isdir(m.hf_path):
+        path = resolve_hf_path(m.hf_path)
+        if not os.path.isdir(path):
             raise FileNotFoundError(f"config.model.hf_path: no directory {m.hf_path!r}")
-        model, cfg = load_hf_model(m.hf_path, mesh=mesh, **numerics)
+        model, cfg = load_hf_model(path, mesh=mesh, **numerics)
         if cfg.vocab_size < len(tokenizer):
             raise ValueError(
                 f"config.model.hf_path: the checkpoint's vocab_size {cfg.vocab_size} is smaller "

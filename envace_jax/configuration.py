@@ -47,7 +47,9 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.model = ml_collections.ConfigDict()
     c.model.preset = "demo-qwen3"  # Name in envace_jax.models.PRESETS, used when hf_path is empty.
-    c.model.hf_path = ""  # Local HF checkpoint dir (config.json + *.safetensors); overrides preset.
+    # Local HF checkpoint dir (config.json + *.safetensors), or a shipped one by name
+    # ('demo-base', envace_jax.models.shipped); overrides preset.
+    c.model.hf_path = ""
     c.model.param_dtype = "float32"  # Storage and update dtype; keep float32 for RL (lr 1e-6).
     c.model.dtype = "float32"  # Compute dtype.
     c.model.remat = "none"  # Per-layer rematerialisation: 'none', 'full' or 'dots'.
@@ -157,7 +159,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "job": _choice(*JOBS),
     "tokenizer": (lambda v: isinstance(v, str) and v != "", "'demo' or a tokenizer directory"),
     "model.preset": (lambda v: isinstance(v, str), "a preset name"),
-    "model.hf_path": (lambda v: isinstance(v, str), "a directory path or ''"),
+    "model.hf_path": (lambda v: isinstance(v, str), "a directory path, 'demo-base' or ''"),
     "model.param_dtype": _DTYPE,
     "model.dtype": _DTYPE,
     "model.remat": _choice("none", "full", "dots"),

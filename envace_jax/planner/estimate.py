@@ -37,6 +37,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from envace_jax.models.config import ModelConfig, get_preset
 from envace_jax.models.decoder import CACHE_LOGICAL_AXES, param_paths
+from envace_jax.models.shipped import resolve_hf_path
 from envace_jax.parallel import DEFAULT_RULES, MESH_AXES, logical_to_spec
 from envace_jax.rl.config import GRPOConfig, SFTConfig
 from envace_jax.sampling.sampler import bucket
@@ -262,8 +263,9 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
     vocabulary (when the tokenizer is here; else the preset's own)."""
     m = config.model
     numerics = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
-    if m.hf_path and os.path.isfile(os.path.join(m.hf_path, "config.json")):
-        return ModelConfig.from_hf(m.hf_path, **numerics)
+    path = resolve_hf_path(m.hf_path)
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        return ModelConfig.from_hf(path, **numerics)
     if config.tokenizer == "demo" or os.path.isdir(config.tokenizer):
         from envace_jax.text.tokenizer import load_tokenizer
 
