@@ -39,7 +39,9 @@ from absl import app, flags, logging
 from envace_jax.configuration import MODES, validate
 from envace_jax.metrics import read_metrics
 
-# Policy sizes of the scale study: name -> model preset. The first is the main comparison's.
+# Policy sizes of the scale study: name -> model preset. The first is the main comparison's; it
+# keeps the config's model (the demo's starts from the shipped demo base), other sizes start
+# from random init.
 SIZES = {"main": "demo-qwen3", "small": "tiny-qwen3"}
 # Modes run at the other sizes: the scaling claim compares EnvACE with its warm start and with
 # standard RL in the real environment.
@@ -136,6 +138,8 @@ def apply(config: ml_collections.ConfigDict, overrides: dict[str, Any]) -> None:
 def run_config(base, overrides: dict[str, Any], preset: str, mode: str, seed: int, warm: str):
     config = ml_collections.ConfigDict(base.to_dict())
     apply(config, overrides)
+    if preset != config.model.preset:  # another size: random init (a shipped base is one size)
+        config.model.hf_path = ""
     config.model.preset = preset
     config.mode = mode
     config.seed = seed
