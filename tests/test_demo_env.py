@@ -47,8 +47,8 @@ class RefShop:
             elif line.startswith("orders ("):
                 section = "o"
             elif section == "c":
-                name, cid, aid, bal = line.split()
-                self.customers[cid] = {"name": name, "account": aid}
+                member, cid, aid, bal = line.split()
+                self.customers[cid] = {"member": member, "account": aid}
                 self.balance[aid] = int(bal)
             elif section == "o":
                 oid, cid, item, price, status = line.split()
@@ -59,7 +59,7 @@ class RefShop:
         if self.tools is not None and name not in self.tools:
             return err("unknown_tool")
         if name == "find_customer":
-            hits = [c for c, v in self.customers.items() if v["name"] == args["name"]]
+            hits = [c for c, v in self.customers.items() if v["member"] == args["member"]]
             return (
                 {"id": hits[0], "account": self.customers[hits[0]]["account"]}
                 if hits
@@ -118,11 +118,9 @@ def _same(actual, expected):
 
 
 def _world_values(task):
-    """Names, ids and integers present in the task (system table and instruction)."""
-    ref = RefShop(task.messages[0]["content"])
+    """Ids, member numbers and integers present in the task (system table and instruction)."""
     text = task.messages[0]["content"] + " " + task.messages[1]["content"]
-    names = [c["name"] for c in ref.customers.values()]
-    strings = sorted(set(names) | set(re.findall(r"\b[CAO]\d+\b", text)))
+    strings = sorted(set(re.findall(r"\b[CAOM]\d+\b", text)))
     ints = sorted({int(w) for w in re.findall(r"\b\d+\b", text)})
     return strings, ints
 
@@ -216,22 +214,13 @@ def test_family_spread_and_ground_truth_shape(tasks):
         assert offered == [n for n in TOOL_NAMES if n in offered]
     print("tasks by number of calls:", counts)
     assert all(c > 0.15 * len(tasks) for c in counts.values())
-    # Name-based tasks mostly come with a look-alike name in the world.
-    named = [
-        t
-        for t in tasks
-        if t.messages[1]["content"].startswith("I am ")
-        and "customer" not in t.messages[1]["content"]
-    ]
-    alike = sum(
-        sum(
-            c["name"][0] == t.messages[1]["content"][5]
-            for c in t.ground_truth["initial_state"]["customers"]
-        )
-        > 1
-        for t in named
-    )
-    assert alike > 0.8 * len(named)
+    # Member-based tasks name a member of their world, whom find_customer maps to ids.
+    for t in tasks:
+        text = t.messages[1]["content"]
+        if text.startswith("I am member "):
+            member = text.split()[3].rstrip(".")
+            world = t.ground_truth["initial_state"]
+            assert member in [c["member"] for c in world["customers"]], text
 
 
 def test_tasks_are_valid_records_and_deterministic():
@@ -331,7 +320,7 @@ def test_every_error_rule():
             },
             "bad_args",
         ),
-        ({"name": "find_customer", "arguments": {"name": "Zed"}}, "not_found"),
+        ({"name": "find_customer", "arguments": {"member": "M0"}}, "not_found"),
         ({"name": "list_orders", "arguments": {"customer_id": "C0"}}, "not_found"),
         ({"name": "get_order", "arguments": {"order_id": "O0"}}, "not_found"),
         ({"name": "get_balance", "arguments": {"account_id": "A0"}}, "not_found"),

@@ -17,12 +17,12 @@ from envace_jax.envs.demo import TOOL_SCHEMAS, DemoEnv, generate_tasks
 from envace_jax.rewards.rule_judge import judge
 
 SYSTEM = {"role": "system", "content": "Shop assistant."}
-USER = {"role": "user", "content": "I am Ben. Please cancel my lamp order."}
+USER = {"role": "user", "content": "I am member M5. Please cancel my lamp order."}
 USER2 = {"role": "user", "content": "Now send 20 to account A2."}
 WORLD = {
     "customers": [
-        {"id": "C3", "name": "Ben", "account": "A7"},
-        {"id": "C5", "name": "Bea", "account": "A2"},
+        {"id": "C3", "member": "M5", "account": "A7"},
+        {"id": "C5", "member": "M2", "account": "A2"},
     ],
     "accounts": [{"id": "A7", "balance": 120}, {"id": "A2", "balance": 40}],
     "orders": [
@@ -55,7 +55,7 @@ def _item(rule, weight, required=False):
 
 
 TURN1 = [
-    _item({"kind": "call", "tool": "find_customer", "args": {"name": "Ben"}}, 0.1),
+    _item({"kind": "call", "tool": "find_customer", "args": {"member": "M5"}}, 0.1),
     _item({"kind": "call", "tool": "list_orders", "args": {"customer_id": "C3"}}, 0.1),
     _item(
         {
@@ -125,7 +125,7 @@ def _task(two_turns=False, required=False):
 CORRECT = [
     SYSTEM,
     USER,
-    _call("find_customer", name="Ben"),
+    _call("find_customer", member="M5"),
     _tool("find_customer", FIND),
     _call("list_orders", customer_id="C3"),
     _tool("list_orders", LIST),

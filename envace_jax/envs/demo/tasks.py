@@ -5,17 +5,18 @@ A task is one world (from its own seed) plus one templated instruction from a fa
 | calls | families |
 |---|---|
 | 1 | cancel, refund, transfer |
-| 2 | cancel_by_item (list_orders, cancel), pay_by_name (find_customer, transfer),
+| 2 | cancel_by_item (list_orders, cancel), pay_by_member (find_customer, transfer),
 |   | resolve (get_order, cancel or refund), sweep (get_balance, transfer) |
-| 3 | cancel_by_name, refund_by_name (find_customer, list_orders, act),
-|   | pay_name_to_name (find_customer x2, transfer) |
+| 3 | cancel_by_member, refund_by_member (find_customer, list_orders, act),
+|   | pay_member_to_member (find_customer x2, transfer) |
 | 4 | cancel_and_pay (find_customer, list_orders, cancel, transfer),
 |   | settle_two (find_customer, list_orders, cancel, refund) |
 
 The number of calls is drawn uniformly from 1..4, then the family uniformly within it. Every
 family changes the world (success is checked on the final state) and its final reply states a
-value that only an observation gives (a new balance, or the amount moved). Name-based
-families pick a customer with a look-alike name in the world when there is one.
+value that only an observation gives (a new balance, or the amount moved). Member-based
+families name the customer by member number, which only `find_customer` maps to the customer
+and account ids.
 
 Worlds are small (3 customers, 1-2 orders each) and the system turn carries their records
 table, so every lookup result is determined by the context and every state change by a rule
@@ -65,16 +66,6 @@ W_ACT_CALL, W_LOOKUP_CALL, W_CONSISTENT, W_REPLY, W_REPLY_CONSISTENT = 2.0, 1.0,
 def _call(tool: str, sources: dict[str, int] | None = None, /, **arguments: Any) -> dict[str, Any]:
     """One solution call; `sources` maps an argument to the earlier call whose result holds it."""
     return {"name": tool, "arguments": arguments, "sources": sources or {}}
-
-
-def _look_alike_first(rng: random.Random, world: World, rows: list[dict]) -> dict | None:
-    """A customer from `rows`, preferring one whose name shares its first letter with another
-    customer's (a distractor)."""
-    if not rows:
-        return None
-    names = [c["name"] for c in world["customers"]]
-    similar = [c for c in rows if sum(n[0] == c["name"][0] for n in names) > 1]
-    return rng.choice(similar or rows)
 
 
 def _balance(world: World, account: str) -> int:
@@ -154,17 +145,17 @@ def _cancel_by_item(rng, world):
     )
 
 
-def _pay_by_name(rng, world):
+def _pay_by_member(rng, world):
     rows = [c for c in world["customers"] if _balance(world, c["account"]) >= 10]
-    c = _look_alike_first(rng, world, rows)
-    if c is None:
+    if not rows:
         return None
+    c = rng.choice(rows)
     to = _other_account(rng, world, c["account"])
     amount = rng.randint(1, _balance(world, c["account"]))
     return (
-        f"I am {c['name']}. Send {amount} to account {to}.",
+        f"I am member {c['member']}. Send {amount} to account {to}.",
         [
-            _call("find_customer", name=c["name"]),
+            _call("find_customer", member=c["member"]),
             _call("transfer", {"from_id": 0}, from_id=c["account"], to_id=to, amount=amount),
         ],
         f"Sent {amount} to {to}. Your balance is {{v}}.",
@@ -200,16 +191,16 @@ def _sweep(rng, world):
     )
 
 
-def _by_name(rng, world, status, tool, verb, done):
+def _by_member(rng, world, status, tool, verb, done):
     rows = [c for c in world["customers"] if _unique_item_orders(world, c["id"], status)]
-    c = _look_alike_first(rng, world, rows)
-    if c is None:
+    if not rows:
         return None
+    c = rng.choice(rows)
     o = rng.choice(_unique_item_orders(world, c["id"], status))
     return (
-        f"I am {c['name']}. Please {verb} my {o['item']} order.",
+        f"I am member {c['member']}. Please {verb} my {o['item']} order.",
         [
-            _call("find_customer", name=c["name"]),
+            _call("find_customer", member=c["member"]),
             _call("list_orders", {"customer_id": 0}, customer_id=c["id"]),
             _call(tool, {"order_id": 1}, order_id=o["id"]),
         ],
@@ -218,26 +209,26 @@ def _by_name(rng, world, status, tool, verb, done):
     )
 
 
-def _cancel_by_name(rng, world):
-    return _by_name(rng, world, OPEN, "cancel_order", "cancel", "cancelled")
+def _cancel_by_member(rng, world):
+    return _by_member(rng, world, OPEN, "cancel_order", "cancel", "cancelled")
 
 
-def _refund_by_name(rng, world):
-    return _by_name(rng, world, SHIPPED, "refund", "refund", "refunded")
+def _refund_by_member(rng, world):
+    return _by_member(rng, world, SHIPPED, "refund", "refund", "refunded")
 
 
-def _pay_name_to_name(rng, world):
+def _pay_member_to_member(rng, world):
     rows = [c for c in world["customers"] if _balance(world, c["account"]) >= 10]
-    c = _look_alike_first(rng, world, rows)
-    if c is None:
+    if not rows:
         return None
-    d = _look_alike_first(rng, world, [x for x in world["customers"] if x is not c])
+    c = rng.choice(rows)
+    d = rng.choice([x for x in world["customers"] if x is not c])
     amount = rng.randint(1, _balance(world, c["account"]))
     return (
-        f"I am {c['name']}. Send {amount} to {d['name']}.",
+        f"I am member {c['member']}. Send {amount} to member {d['member']}.",
         [
-            _call("find_customer", name=c["name"]),
-            _call("find_customer", name=d["name"]),
+            _call("find_customer", member=c["member"]),
+            _call("find_customer", member=d["member"]),
             _call(
                 "transfer",
                 {"from_id": 0, "to_id": 1},
@@ -246,23 +237,24 @@ def _pay_name_to_name(rng, world):
                 amount=amount,
             ),
         ],
-        f"Sent {amount} to {d['name']}. Your balance is {{v}}.",
+        f"Sent {amount} to member {d['member']}. Your balance is {{v}}.",
         (2, "balance"),
     )
 
 
 def _cancel_and_pay(rng, world):
     rows = [c for c in world["customers"] if _unique_item_orders(world, c["id"], OPEN)]
-    c = _look_alike_first(rng, world, rows)
-    if c is None:
+    if not rows:
         return None
+    c = rng.choice(rows)
     o = rng.choice(_unique_item_orders(world, c["id"], OPEN))
     to = _other_account(rng, world, c["account"])
     amount = rng.randint(1, _balance(world, c["account"]) + o["price"])
     return (
-        f"I am {c['name']}. Cancel my {o['item']} order, then send {amount} to account {to}.",
+        f"I am member {c['member']}. Cancel my {o['item']} order, then send {amount} to "
+        f"account {to}.",
         [
-            _call("find_customer", name=c["name"]),
+            _call("find_customer", member=c["member"]),
             _call("list_orders", {"customer_id": 0}, customer_id=c["id"]),
             _call("cancel_order", {"order_id": 1}, order_id=o["id"]),
             _call("transfer", {"from_id": 0}, from_id=c["account"], to_id=to, amount=amount),
@@ -279,15 +271,15 @@ def _settle_two(rng, world):
         if _unique_item_orders(world, c["id"], OPEN)
         and _unique_item_orders(world, c["id"], SHIPPED)
     ]
-    c = _look_alike_first(rng, world, rows)
-    if c is None:
+    if not rows:
         return None
+    c = rng.choice(rows)
     o = rng.choice(_unique_item_orders(world, c["id"], OPEN))
     s = rng.choice(_unique_item_orders(world, c["id"], SHIPPED))
     return (
-        f"I am {c['name']}. Cancel my {o['item']} order and refund my {s['item']} order.",
+        f"I am member {c['member']}. Cancel my {o['item']} order and refund my {s['item']} order.",
         [
-            _call("find_customer", name=c["name"]),
+            _call("find_customer", member=c["member"]),
             _call("list_orders", {"customer_id": 0}, customer_id=c["id"]),
             _call("cancel_order", {"order_id": 1}, order_id=o["id"]),
             _call("refund", {"order_id": 1}, order_id=s["id"]),
@@ -301,14 +293,14 @@ FAMILIES: dict[int, dict[str, Family]] = {
     1: {"cancel": _cancel, "refund": _refund, "transfer": _transfer},
     2: {
         "cancel_by_item": _cancel_by_item,
-        "pay_by_name": _pay_by_name,
+        "pay_by_member": _pay_by_member,
         "resolve": _resolve,
         "sweep": _sweep,
     },
     3: {
-        "cancel_by_name": _cancel_by_name,
-        "refund_by_name": _refund_by_name,
-        "pay_name_to_name": _pay_name_to_name,
+        "cancel_by_member": _cancel_by_member,
+        "refund_by_member": _refund_by_member,
+        "pay_member_to_member": _pay_member_to_member,
     },
     4: {"cancel_and_pay": _cancel_and_pay, "settle_two": _settle_two},
 }

@@ -41,7 +41,7 @@ def _schema(tool: str, description: str, /, **params: str) -> dict[str, Any]:
 TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
     s["function"]["name"]: s
     for s in (
-        _schema("find_customer", "Customer by exact name: id, account.", name="string"),
+        _schema("find_customer", "Customer by member number: id, account.", member="string"),
         _schema("list_orders", "A customer's orders: id, item, status.", customer_id="string"),
         _schema("get_order", "An order: id, customer, item, price, status.", order_id="string"),
         _schema("get_balance", "An account's balance.", account_id="string"),
@@ -105,10 +105,10 @@ def _balance_of_owner(world: World, order: dict[str, Any]) -> dict[str, Any]:
     return find(world, "accounts", id=customer["account"])
 
 
-def _find_customer(world: World, name: str) -> ToolResult:
-    c = find(world, "customers", name=name)
+def _find_customer(world: World, member: str) -> ToolResult:
+    c = find(world, "customers", member=member)
     if c is None:
-        return tool_error("not_found", f"no customer {name}")
+        return tool_error("not_found", f"no member {member}")
     return {"id": c["id"], "account": c["account"]}
 
 

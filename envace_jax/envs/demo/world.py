@@ -3,16 +3,23 @@
 A world is a plain JSON-serialisable dict, so it can sit inside a task record and be compared
 for equality:
 
-    {"customers": [{"id": "C3", "name": "Ben", "account": "A7"}, ...],
+    {"customers": [{"id": "C3", "member": "M5", "account": "A7"}, ...],
      "accounts":  [{"id": "A7", "balance": 120}, ...],
      "orders":    [{"id": "O5", "customer": "C3", "item": "lamp", "price": 12,
                     "status": "open"}, ...]}
 
 Order status is one of ``open`` (can be cancelled), ``shipped`` (can be refunded),
-``cancelled`` or ``refunded``. Strings are short (short names, one-digit ids like ``C3``/``A7``/
-``O5``, integer amounts below 100) so that prompts stay short and a policy of about a million
-parameters copies an id or an amount with one or two digit tokens: copying longer digit
-strings exactly is what such a policy fails at first (the demo tokenizer splits digits).
+``cancelled`` or ``refunded``. Strings are short (one-digit ids like ``C3``/``A7``/``O5``,
+member numbers like ``M5``, integer amounts below 100) so that prompts stay short and a policy
+of about a million parameters copies an id or an amount with one or two digit tokens: copying
+longer digit strings exactly is what such a policy fails at first (the demo tokenizer splits
+digits).
+
+Customers go by member numbers, not names: a name is one rare token, and a tied-embedding
+policy of this size never learns to copy it. With 30 first names, the shipped warm start's
+name embeddings had collapsed together (mean cosine 0.89, against 0.50 between digits) and
+its find_customer calls named the right customer 1 time in 30 (chance) after 2,500 steps,
+while it copied 77% of id digits; every task that starts with a name lookup failed.
 """
 
 from __future__ import annotations
@@ -23,44 +30,28 @@ from typing import Any
 
 World = dict[str, Any]
 
-# Groups of look-alike names: a world takes names from a few groups so that a name in an
-# instruction usually has a similar-looking distractor next to it.
-NAME_GROUPS = (
-    ("Ben", "Bea", "Bo"),
-    ("Dan", "Dana", "Dave"),
-    ("Ann", "Ana", "Amy"),
-    ("Max", "Mia", "May"),
-    ("Tom", "Tim", "Tia"),
-    ("Liz", "Lia", "Leo"),
-    ("Sam", "Sal", "Sue"),
-    ("Kim", "Kit", "Kai"),
-    ("Ray", "Rex", "Roy"),
-    ("Eva", "Eve", "Eli"),
-)
 ITEMS = ("lamp", "mug", "pen", "hat", "book", "cup", "bag", "fan", "sock", "clock", "desk", "kite")
 OPEN, SHIPPED, CANCELLED, REFUNDED = "open", "shipped", "cancelled", "refunded"
 STATUSES = (OPEN, SHIPPED, CANCELLED, REFUNDED)
 
 
 def generate_world(rng: random.Random, n_customers: int = 3, max_orders: int = 2) -> World:
-    """A random world: `n_customers` customers (at least one look-alike name pair), each
-    with an account and 1..`max_orders` orders with distinct items."""
+    """A random world: `n_customers` customers, each with a member number, an account and
+    1..`max_orders` orders with distinct items."""
     if not 2 <= n_customers <= 9 or not 1 <= max_orders or n_customers * max_orders > 9:
         raise ValueError(
             f"generate_world: ids are one digit, so need 2 <= n_customers <= 9 and "
             f"n_customers * max_orders <= 9 (got {n_customers} and {max_orders})"
         )
-    groups = rng.sample(NAME_GROUPS, 2)
-    names = rng.sample(groups[0], 2) + rng.sample(groups[1], n_customers - 2)
-    rng.shuffle(names)
+    mids = rng.sample(range(1, 10), n_customers)
     cids = rng.sample(range(1, 10), n_customers)
     aids = rng.sample(range(1, 10), n_customers)
     n_orders = [rng.randint(1, max_orders) for _ in range(n_customers)]
     oids = sorted(rng.sample(range(1, 10), sum(n_orders)))
     world: World = {"customers": [], "accounts": [], "orders": []}
     k = 0
-    for name, cid, aid, n in zip(names, cids, aids, n_orders, strict=True):
-        world["customers"].append({"id": f"C{cid}", "name": name, "account": f"A{aid}"})
+    for mid, cid, aid, n in zip(mids, cids, aids, n_orders, strict=True):
+        world["customers"].append({"id": f"C{cid}", "member": f"M{mid}", "account": f"A{aid}"})
         world["accounts"].append({"id": f"A{aid}", "balance": 5 * rng.randint(2, 12)})
         for item in rng.sample(ITEMS, n):
             world["orders"].append(
@@ -91,10 +82,10 @@ def find(world: World, table: str, **match: Any) -> dict[str, Any] | None:
 
 def render_records(world: World) -> str:
     """The compact table of the world that the system turn carries (both roles read it)."""
-    lines = ["customers (name id account balance):"]
+    lines = ["customers (member id account balance):"]
     for c in world["customers"]:
         bal = find(world, "accounts", id=c["account"])["balance"]
-        lines.append(f"{c['name']} {c['id']} {c['account']} {bal}")
+        lines.append(f"{c['member']} {c['id']} {c['account']} {bal}")
     lines.append("orders (id customer item price status):")
     for o in world["orders"]:
         lines.append(f"{o['id']} {o['customer']} {o['item']} {o['price']} {o['status']}")
