@@ -7,6 +7,10 @@ while its training loss looks fine. `copy_metrics` makes that visible during the
 on demonstrations of held-out tasks, how often the policy's most likely next token is the
 demonstrated one — over all ACT tokens, and over the ACT tokens that are digits (the ids'
 and amounts' digits, which can only be copied).
+
+The same score on REHEARSE digits says whether the rehearser reads the world: a tool
+response's ids, prices and balances come from the records table (or follow from it), so a
+rehearser that guesses them makes rehearsed rewards say little about real success.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class CopyProbe:
     tokens: np.ndarray  # [B, T] int32, right-padded
     act: np.ndarray  # [B, T] bool: ACT tokens (targets)
     digits: np.ndarray  # [B, T] bool: ACT tokens that are digits
+    rehearse_digits: np.ndarray  # [B, T] bool: REHEARSE tokens that are digits
 
 
 def build_copy_probe(examples: Sequence, tokenizer, pad_id: int, length: int) -> CopyProbe:
@@ -39,13 +44,15 @@ def build_copy_probe(examples: Sequence, tokenizer, pad_id: int, length: int) ->
     is_digit = np.array([p.isdigit() for p in pieces] + [False])  # ids past the vocab: False
     tokens = np.full((len(examples), length), pad_id, np.int32)
     act = np.zeros((len(examples), length), bool)
+    rehearse = np.zeros((len(examples), length), bool)
     for b, ex in enumerate(examples):
         n = min(len(ex.ids), length)
         tokens[b, :n] = ex.ids[:n]
         act[b, :n] = np.asarray(ex.roles[:n]) == Role.ACT
-    act[:, 0] = False  # nothing predicts the first token
-    digits = act & is_digit[np.minimum(tokens, len(is_digit) - 1)]
-    return CopyProbe(tokens, act, digits)
+        rehearse[b, :n] = np.asarray(ex.roles[:n]) == Role.REHEARSE
+    act[:, 0] = rehearse[:, 0] = False  # nothing predicts the first token
+    digit = is_digit[np.minimum(tokens, len(is_digit) - 1)]
+    return CopyProbe(tokens, act, act & digit, rehearse & digit)
 
 
 @nnx.jit
@@ -56,11 +63,17 @@ def _argmax_tokens(model, tokens):
 
 
 def copy_metrics(model: nnx.Module, probe: CopyProbe) -> dict[str, float]:
-    """{'heldout/act_token_acc', 'heldout/act_digit_acc'}: teacher-forced greedy accuracy."""
+    """{'heldout/act_token_acc', 'heldout/act_digit_acc', 'heldout/rehearse_digit_acc'}:
+    teacher-forced greedy accuracy."""
     pred = np.asarray(jax.device_get(_argmax_tokens(model, jnp.asarray(probe.tokens))))
     hit = pred[:, :-1] == probe.tokens[:, 1:]  # prediction at t is for token t + 1
     out = {}
-    for name, mask in (("act_token_acc", probe.act), ("act_digit_acc", probe.digits)):
+    scored = (
+        ("act_token_acc", probe.act),
+        ("act_digit_acc", probe.digits),
+        ("rehearse_digit_acc", probe.rehearse_digits),
+    )
+    for name, mask in scored:
         m = mask[:, 1:]
         out[f"heldout/{name}"] = float(hit[m].mean()) if m.any() else 0.0
     return out

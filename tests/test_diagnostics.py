@@ -46,12 +46,21 @@ def test_probe_scores_act_tokens_and_their_digits(tok, examples):
         # Every digit an ACT message writes is scored: the ids and amounts of its calls.
         act_text = tok.decode([ex.ids[i] for i in np.flatnonzero(probe.act[b])])
         assert sum(ch.isdigit() for ch in act_text) == len(text)
+        # ... and every digit of a tool response: what the rehearser reads off the world.
+        rehearsed = np.flatnonzero(probe.rehearse_digits[b])
+        assert (roles[rehearsed] == Role.REHEARSE).all()
+        responses = tok.decode([ex.ids[i] for i in np.flatnonzero(roles == Role.REHEARSE)])
+        assert sum(ch.isdigit() for ch in responses) == len(rehearsed) > 0
 
 
 def test_accuracies_against_hand_made_predictors(tok, examples):
     probe = build_copy_probe(examples, tok, tok.pad_token_id, length=1024)
     perfect = copy_metrics(Oracle(probe.tokens, len(tok)), probe)
-    assert perfect == {"heldout/act_token_acc": 1.0, "heldout/act_digit_acc": 1.0}
+    assert perfect == {
+        "heldout/act_token_acc": 1.0,
+        "heldout/act_digit_acc": 1.0,
+        "heldout/rehearse_digit_acc": 1.0,
+    }
 
     five = tok.convert_tokens_to_ids("5")
     const = copy_metrics(Oracle(probe.tokens, len(tok), constant=five), probe)
@@ -60,6 +69,8 @@ def test_accuracies_against_hand_made_predictors(tok, examples):
     want_act = float(np.mean(targets[probe.act] == five))
     assert const["heldout/act_digit_acc"] == pytest.approx(want_digit)
     assert const["heldout/act_token_acc"] == pytest.approx(want_act)
+    want_rehearse = float(np.mean(targets[probe.rehearse_digits] == five))
+    assert const["heldout/rehearse_digit_acc"] == pytest.approx(want_rehearse)
     assert 0 < want_digit < 1
 
 
