@@ -27,6 +27,7 @@ Design choices (why):
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import random
@@ -557,26 +558,23 @@ def _sentence(w: World) -> str:
     return r.choice(templates)
 
 
+DEMO_DIALOGUES = Path(__file__).with_name("demo_tokenizer_dialogues.json.gz")
+
+
 def _demo_dialogues(n: int) -> list[str]:
     """Oracle conversations of the demo domain's tasks (a split no run trains or evaluates
     on), in the same text layout as `_dialogue`: the demo policy's prompts and trajectories
-    then cost ~25% fewer tokens, and a name or id is a token or two wherever it appears."""
-    from envace_jax.envs.demo import generate_tasks  # the package, from this checkout
+    then cost ~25% fewer tokens, and an id is a token or two wherever it appears.
 
-    docs = []
-    for task in generate_tasks(seed=SEED % 1000, n=n, split="test"):
-        m = task.reference_messages
-        parts = [f"system\n{m[0]['content']}\n", f"user\n{m[1]['content']}\n"]
-        for msg in m[2:]:
-            if msg["role"] == "tool":
-                parts.append(f"user\n<tool_response>\n{msg['content']}\n</tool_response>\n")
-            elif msg.get("tool_calls"):
-                fn = msg["tool_calls"][0]["function"]
-                parts.append(f"assistant\n{_call(fn['name'], fn['arguments'])}\n")
-            else:
-                parts.append(f"assistant\n{msg['content']}\n")
-        docs.append("".join(parts))
-    return docs
+    They are read from a frozen snapshot (`DEMO_DIALOGUES`, 2,000 conversations of the domain
+    as it was when the tokenizer was made, customers still named), not generated from the
+    live domain: a change to the domain must not change the vocabulary, or every trained
+    policy, the shipped demo base included, would read different ids."""
+    with gzip.open(DEMO_DIALOGUES, "rt", encoding="utf-8") as f:
+        docs = json.load(f)
+    if len(docs) < n:
+        raise ValueError(f"{DEMO_DIALOGUES.name}: {len(docs)} conversations, need {n}")
+    return docs[:n]
 
 
 def make_corpus(seed: int = SEED) -> list[str]:
