@@ -68,6 +68,11 @@ def _call(tool: str, sources: dict[str, int] | None = None, /, **arguments: Any)
     return {"name": tool, "arguments": arguments, "sources": sources or {}}
 
 
+def _choice(rng: random.Random, rows: list[dict]) -> dict | None:
+    """A random row of `rows`, or None when there is none (the family does not fit)."""
+    return rng.choice(rows) if rows else None
+
+
 def _balance(world: World, account: str) -> int:
     return find(world, "accounts", id=account)["balance"]
 
@@ -130,9 +135,9 @@ def _unique_item_orders(world, customer, status):
 
 def _cancel_by_item(rng, world):
     rows = [c for c in world["customers"] if _unique_item_orders(world, c["id"], OPEN)]
-    if not rows:
+    c = _choice(rng, rows)
+    if c is None:
         return None
-    c = rng.choice(rows)
     o = rng.choice(_unique_item_orders(world, c["id"], OPEN))
     return (
         f"I am customer {c['id']}. Please cancel my {o['item']} order.",
@@ -147,9 +152,9 @@ def _cancel_by_item(rng, world):
 
 def _pay_by_member(rng, world):
     rows = [c for c in world["customers"] if _balance(world, c["account"]) >= 10]
-    if not rows:
+    c = _choice(rng, rows)
+    if c is None:
         return None
-    c = rng.choice(rows)
     to = _other_account(rng, world, c["account"])
     amount = rng.randint(1, _balance(world, c["account"]))
     return (
@@ -193,9 +198,9 @@ def _sweep(rng, world):
 
 def _by_member(rng, world, status, tool, verb, done):
     rows = [c for c in world["customers"] if _unique_item_orders(world, c["id"], status)]
-    if not rows:
+    c = _choice(rng, rows)
+    if c is None:
         return None
-    c = rng.choice(rows)
     o = rng.choice(_unique_item_orders(world, c["id"], status))
     return (
         f"I am member {c['member']}. Please {verb} my {o['item']} order.",
@@ -219,9 +224,9 @@ def _refund_by_member(rng, world):
 
 def _pay_member_to_member(rng, world):
     rows = [c for c in world["customers"] if _balance(world, c["account"]) >= 10]
-    if not rows:
+    c = _choice(rng, rows)
+    if c is None:
         return None
-    c = rng.choice(rows)
     d = rng.choice([x for x in world["customers"] if x is not c])
     amount = rng.randint(1, _balance(world, c["account"]))
     return (
@@ -244,9 +249,9 @@ def _pay_member_to_member(rng, world):
 
 def _cancel_and_pay(rng, world):
     rows = [c for c in world["customers"] if _unique_item_orders(world, c["id"], OPEN)]
-    if not rows:
+    c = _choice(rng, rows)
+    if c is None:
         return None
-    c = rng.choice(rows)
     o = rng.choice(_unique_item_orders(world, c["id"], OPEN))
     to = _other_account(rng, world, c["account"])
     amount = rng.randint(1, _balance(world, c["account"]) + o["price"])
@@ -271,9 +276,9 @@ def _settle_two(rng, world):
         if _unique_item_orders(world, c["id"], OPEN)
         and _unique_item_orders(world, c["id"], SHIPPED)
     ]
-    if not rows:
+    c = _choice(rng, rows)
+    if c is None:
         return None
-    c = rng.choice(rows)
     o = rng.choice(_unique_item_orders(world, c["id"], OPEN))
     s = rng.choice(_unique_item_orders(world, c["id"], SHIPPED))
     return (
