@@ -120,6 +120,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rehearsal.temperature = 1.0  # Sampling temperature of rehearsal attempts.
     c.rehearsal.top_p = 1.0  # Nucleus sampling of rehearsal attempts (1.0 = off).
     c.rehearsal.max_memory_tokens = 160  # Tokens of a policy-written assessment or summary.
+    # Committed runs decoded at once: prefill attention grows with rows x prompt x buffer, and
+    # memory-conditioned prompts are long (256 demo rows at once asked for ~25 GB).
+    c.rehearsal.commit_rows = 64
     c.rehearsal.tasks = 32  # Held-out tasks per evaluation seed.
     c.rehearsal.seeds = 3  # Evaluation seeds (task sets, keys); tables give mean and std.
     c.rehearsal.split = "test"  # Task split evaluated ('test' is never used by the train job).
@@ -217,6 +220,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rehearsal.temperature": _float(1e-6),
     "rehearsal.top_p": _float(1e-6, 1.0),
     "rehearsal.max_memory_tokens": _int(1),
+    "rehearsal.commit_rows": _int(1),
     "rehearsal.tasks": _int(1),
     "rehearsal.seeds": _int(1),
     "rehearsal.split": _choice("validation", "test"),

@@ -389,6 +389,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p),
         max_new_tokens=config.eval.max_new_tokens,
         max_memory_tokens=r.max_memory_tokens,
+        commit_rows=r.commit_rows,
     )
     budgets = tuple(sorted(set(r.budgets)))
     per_seed = []

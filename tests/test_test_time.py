@@ -349,6 +349,46 @@ def test_rehearsals_leave_the_real_environment_untouched(memorised, tok, monkeyp
         executed_calls.clear()
 
 
+@pytest.mark.slow  # uses the memorising policy
+def test_committed_runs_decoded_in_row_chunks_match_one_batch(memorised, tok):
+    from envace_jax.rollout.test_time import TestTimeRehearsal
+    from envace_jax.sampling.distributions import SamplingParams
+
+    model, params, tasks = memorised
+    rows = list(tasks) * 2  # distinct rows: the second copy carries a memory
+    runs = {}
+    for commit_rows in (len(rows), 1):
+        ttr = TestTimeRehearsal(
+            model,
+            tok,
+            max_turns=3,
+            max_message_tokens=64,
+            sampling=SamplingParams(greedy=True),
+            max_new_tokens=160,
+            commit_rows=commit_rows,
+        )
+        rehearsals = ttr.rehearse(params, tasks, mode="parallel", n=1, key=jax.random.key(0))
+        memories = [""] * len(tasks) + ttr.memories(
+            params, tasks, rehearsals, budget=1, key=jax.random.key(1)
+        )
+        batch_rows = []
+        start = ttr.host_sampler.start
+
+        def recording(prompts, _rows=batch_rows, _start=start, **kw):
+            _rows.append(len(prompts))
+            return _start(prompts, **kw)
+
+        ttr.host_sampler.start = recording
+        out = ttr.commit(params, rows, memories, DemoEnv, key=jax.random.key(2))
+        assert max(batch_rows) == commit_rows and sum(batch_rows) == len(rows)
+        runs[commit_rows] = out
+    one, chunked = runs[len(rows)], runs[1]
+    assert [list(p) for p in one.prompts] == [list(p) for p in chunked.prompts]
+    for a, b in zip(one.results, chunked.results, strict=True):
+        assert a.episode.messages == b.episode.messages
+        assert (a.success, a.reward, a.env_state) == (b.success, b.reward, b.env_state)
+
+
 @pytest.fixture(scope="module")
 def loaded_random_qwen3(tmp_path_factory, tok):
     """A tiny random Qwen3 written as an HF checkpoint and read back by the package's loader."""

@@ -90,7 +90,8 @@ class TestTimeRehearsal:
     memory: 'structured' or 'summary' (see `envace_jax.rollout.memory`). assessor: 'rules' or
     'policy'. sampling: how attempts are sampled (assessments and summaries are greedy).
     max_new_tokens: token budget of one attempt. max_memory_tokens: budget of a
-    policy-written assessment or summary.
+    policy-written assessment or summary. commit_rows: committed runs decoded at once (memory
+    grows with rows x prompt length, and memory-conditioned prompts are long).
     """
 
     __test__ = False  # not a pytest class, despite the name
@@ -107,7 +108,10 @@ class TestTimeRehearsal:
         sampling: SamplingParams = SAMPLED,
         max_new_tokens: int = 384,
         max_memory_tokens: int = 160,
+        commit_rows: int = 64,
     ):
+        if commit_rows < 1:
+            raise ValueError(f"commit_rows must be >= 1, got {commit_rows}")
         if memory not in mem.FORMATS:
             raise ValueError(f"memory format must be one of {mem.FORMATS}, got {memory!r}")
         if assessor not in ASSESSORS:
@@ -115,6 +119,7 @@ class TestTimeRehearsal:
         self.tokenizer = tokenizer
         self.memory, self.assessor, self.sampling = memory, assessor, sampling
         self.max_new_tokens, self.max_memory_tokens = max_new_tokens, max_memory_tokens
+        self.commit_rows = commit_rows
         pad = tokenizer.pad_token_id
         common = dict(max_turns=max_turns, max_message_tokens=max_message_tokens)
         self.rehearse_sampler = Sampler(
@@ -290,16 +295,19 @@ class TestTimeRehearsal:
             rows = sorted(set(first.values()))
             of_row = {i: first[(id(t), tuple(prompts[i]))] for i, t in enumerate(tasks)}
         self.host_sampler.set_params(params)
-        results = real_env_rollouts(
-            self.host_sampler,
-            self.tokenizer,
-            [tasks[i] for i in rows],
-            make_env,
-            key=key,
-            sampling=sampling,
-            max_new_tokens=max_new_tokens,
-            prompts=[prompts[i] for i in rows],
-        )
+        results = []
+        for c, start in enumerate(range(0, len(rows), self.commit_rows)):
+            chunk = rows[start : start + self.commit_rows]
+            results += real_env_rollouts(
+                self.host_sampler,
+                self.tokenizer,
+                [tasks[i] for i in chunk],
+                make_env,
+                key=key if start == 0 else jax.random.fold_in(key, c),
+                sampling=sampling,
+                max_new_tokens=max_new_tokens,
+                prompts=[prompts[i] for i in chunk],
+            )
         if sampling.greedy:
             by_row = dict(zip(rows, results, strict=True))
             results = [by_row[of_row[i]] for i in range(len(tasks))]
