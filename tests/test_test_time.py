@@ -293,11 +293,26 @@ def memorised(tok):
     return model, state.params, tasks
 
 
+def _greedy_rehearsal(model, tok, **kwargs):
+    """Greedy test-time rehearsal with budgets that fit the memorising policy's tasks."""
+    from envace_jax.rollout.test_time import TestTimeRehearsal
+    from envace_jax.sampling.distributions import SamplingParams
+
+    return TestTimeRehearsal(
+        model,
+        tok,
+        max_turns=3,
+        max_message_tokens=64,
+        sampling=SamplingParams(greedy=True),
+        max_new_tokens=160,
+        **kwargs,
+    )
+
+
 @pytest.mark.slow  # trains the memorising policy (about a minute on two CPU cores)
 def test_rehearsals_leave_the_real_environment_untouched(memorised, tok, monkeypatch):
     from envace_jax.envs.demo import STATE_CHANGING
-    from envace_jax.rollout.test_time import MODES, TestTimeRehearsal
-    from envace_jax.sampling.distributions import SamplingParams
+    from envace_jax.rollout.test_time import MODES
 
     model, params, tasks = memorised
     executed_calls = []
@@ -312,14 +327,7 @@ def test_rehearsals_leave_the_real_environment_untouched(memorised, tok, monkeyp
     for env, task in zip(live, tasks, strict=True):
         env.reset(task)
     before = [env.state() for env in live]
-    ttr = TestTimeRehearsal(
-        model,
-        tok,
-        max_turns=3,
-        max_message_tokens=64,
-        sampling=SamplingParams(greedy=True),
-        max_new_tokens=160,
-    )
+    ttr = _greedy_rehearsal(model, tok)
     memories = {}
     for mode in MODES:
         rehearsals = ttr.rehearse(params, tasks, mode=mode, n=2, key=jax.random.key(0))
@@ -351,22 +359,12 @@ def test_rehearsals_leave_the_real_environment_untouched(memorised, tok, monkeyp
 
 @pytest.mark.slow  # uses the memorising policy
 def test_committed_runs_decoded_in_row_chunks_match_one_batch(memorised, tok):
-    from envace_jax.rollout.test_time import TestTimeRehearsal
-    from envace_jax.sampling.distributions import SamplingParams
 
     model, params, tasks = memorised
     rows = list(tasks) * 2  # distinct rows: the second copy carries a memory
     runs = {}
     for commit_rows in (len(rows), 1):
-        ttr = TestTimeRehearsal(
-            model,
-            tok,
-            max_turns=3,
-            max_message_tokens=64,
-            sampling=SamplingParams(greedy=True),
-            max_new_tokens=160,
-            commit_rows=commit_rows,
-        )
+        ttr = _greedy_rehearsal(model, tok, commit_rows=commit_rows)
         rehearsals = ttr.rehearse(params, tasks, mode="parallel", n=1, key=jax.random.key(0))
         memories = [""] * len(tasks) + ttr.memories(
             params, tasks, rehearsals, budget=1, key=jax.random.key(1)

@@ -303,7 +303,7 @@ class TestTimeRehearsal:
                 self.tokenizer,
                 [tasks[i] for i in chunk],
                 make_env,
-                key=key if start == 0 else jax.random.fold_in(key, c),
+                key=jax.random.fold_in(key, c) if c else key,
                 sampling=sampling,
                 max_new_tokens=max_new_tokens,
                 prompts=[prompts[i] for i in chunk],
