@@ -286,14 +286,20 @@ def claims(summary, sizes=SIZES) -> list[tuple[str, str, str]]:
         (d_big, se_big, _), (d_small, se_small, _) = gains[main], gains[small]
         diff = d_big - d_small
         se = math.sqrt(se_big**2 + se_small**2)
-        v = "supported" if diff > 2 * se else "contradicted" if diff < -2 * se else "not resolved"
+        # A size that solves nothing after its warm start has no gain to measure.
         floor = [
-            sizes[z]
-            for z in (main, small)
-            if get(z, "sft_only") and not get(z, "sft_only")["success"]
+            z for z in (main, small) if get(z, "sft_only") and not get(z, "sft_only")["success"]
         ]
-        if floor:  # a size that solves nothing after its warm start has no gain to measure
-            v = f"not testable: the {floor[0]} warm start solves no held-out task"
+        if floor:
+            v = f"not testable: the {sizes[floor[0]]} warm start solves no held-out task"
+        else:
+            v = (
+                "supported"
+                if diff > 2 * se
+                else "contradicted"
+                if diff < -2 * se
+                else "not resolved"
+            )
         text = (
             f"gain over grpo_real_env: {sizes[main]} {d_big:+.3f}, {sizes[small]} {d_small:+.3f}; "
             f"difference {diff:+.3f} (s.e. {se:.3f})"
