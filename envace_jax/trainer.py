@@ -27,6 +27,7 @@ metrics, plots, the summary and the HF export come from process 0.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -71,7 +72,12 @@ from envace_jax.rl.steps import (
 )
 from envace_jax.rollout.memory import memory_demonstrations
 from envace_jax.rollout.modes import mode_spec, real_env_group_rollouts
-from envace_jax.rollout.real_env import real_env_metrics, real_env_rollouts, rehearsal_fidelity
+from envace_jax.rollout.real_env import (
+    family_success,
+    real_env_metrics,
+    real_env_rollouts,
+    rehearsal_fidelity,
+)
 from envace_jax.rollout.role_models import role_decoders, role_state
 from envace_jax.rollout.world_rehearsal import RolloutBatch, rehearsal_rollouts
 from envace_jax.sampling.chat_spec import turn_spec
@@ -113,9 +119,21 @@ class EvalResult:
     tool_error_rate: float
     invalid_rate: float
     fidelity: float
+    # Success per task family (tasks whose metadata name one), written as `success/<family>`.
+    by_family: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def headline(self) -> dict[str, float]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "by_family"}
 
     def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+        """Flat scalars (metrics.jsonl, TensorBoard, checkpoint metadata)."""
+        return {**self.headline(), **{f"success/{f}": v for f, v in self.by_family.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> EvalResult:
+        fields = {k: d[k] for k in ("success", "reward", "tool_error_rate", "invalid_rate")}
+        by_family = {k.split("/", 1)[1]: v for k, v in d.items() if k.startswith("success/")}
+        return cls(**fields, fidelity=d["fidelity"], by_family=by_family)
 
 
 class Trainer:
@@ -428,10 +446,11 @@ class Trainer:
         e = self.config.eval
         sampling = SamplingParams(greedy=True) if e.greedy else SamplingParams(temperature=1.0)
         layout = parallel.row_layout(self.mesh, len(tasks))  # each process runs its tasks
+        mine = [tasks[i] for i in layout.rows]
         results = real_env_rollouts(
             self.host_sampler,
             self.tokenizer,
-            [tasks[i] for i in layout.rows],
+            mine,
             self.make_env,
             key=key,
             sampling=sampling,
@@ -439,6 +458,8 @@ class Trainer:
             layout=layout,
         )
         m = real_env_metrics(results, everywhere=True)
+        families = sorted({f for t in tasks if (f := t.metadata.get("family"))})
+        by_family = family_success(results, mine, families, everywhere=True)
         fidelity = 0.0
         if e.fidelity_tasks:
             fid_tasks = tasks[: e.fidelity_tasks]
@@ -457,7 +478,7 @@ class Trainer:
             matched, compared = parallel.process_sum([share * compared, compared])
             fidelity = float(matched / compared) if compared else 0.0
         return EvalResult(
-            m["success"], m["reward"], m["tool_error_rate"], m["invalid_rate"], fidelity
+            m["success"], m["reward"], m["tool_error_rate"], m["invalid_rate"], fidelity, by_family
         )
 
     # --------------------------------------------------------------------------------- RL
@@ -521,7 +542,7 @@ class Trainer:
                     state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, g)
                 )
                 self.writer.write(rl_step, "eval", ev.as_dict(), global_step=g)
-                print(f"[eval] RL step {rl_step}: {ev.as_dict()}")
+                print(f"[eval] RL step {rl_step}: {ev.headline()}")
             if rl_step % s.checkpoint_every == 0 and rl_step < self.rl_steps:
                 self._save(g, state, {**meta, "phase": "rl", "data_position": stream.position})
                 last_good = g
@@ -541,7 +562,7 @@ class Trainer:
             step = self.sft_steps
         if "sft_eval" not in meta:
             if "warm_start_eval" in meta:  # evaluated by the run it was loaded from
-                ev = EvalResult(**meta["warm_start_eval"])
+                ev = EvalResult.from_dict(meta["warm_start_eval"])
             else:
                 ev = self.evaluate(
                     state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, 0)
@@ -549,7 +570,7 @@ class Trainer:
             warm = {k: meta[k] for k in ("warm_start_dir",) if k in meta}
             meta = {"phase": "rl", "sft_eval": ev.as_dict(), **warm}
             self.writer.write(0, "eval", ev.as_dict(), global_step=step)
-            print(f"[eval] warm start: {ev.as_dict()}")
+            print(f"[eval] warm start: {ev.headline()}")
             if self.config.rehearsal.keep_warm_start:
                 self._keep_warm_start(step, state.params, meta)
             if self.rl_steps:
@@ -592,6 +613,15 @@ class Trainer:
             ],
             header,
         )
+        warm_by_family = EvalResult.from_dict(sft_eval).by_family
+        if families := sorted({*warm_by_family, *final.by_family}):
+            tasks = collections.Counter(t.metadata.get("family") for t in self.eval_tasks)
+            rows = [
+                [f, tasks[f], warm_by_family.get(f, "-"), final.by_family.get(f, "-")]
+                for f in families
+            ]
+            header = ["task family", "tasks", "warm start (SFT)", f"RL ({self.config.mode})"]
+            summary += "\n\nSuccess by task family:\n\n" + table(rows, header)
         # export/ holds the acting policy; a trained REHEARSE set goes to export_rehearse/.
         exports = {"export": self._act_params(state.params)}
         if self.mode.rehearser == "separate":

@@ -91,7 +91,19 @@ def test_outputs_and_hf_export(uninterrupted):
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     phases = {r["phase"] for r in rows}
     assert {"sft", "rl", "eval"} <= phases
-    assert set(out["final"]) == {"success", "reward", "tool_error_rate", "invalid_rate", "fidelity"}
+    headline = {"success", "reward", "tool_error_rate", "invalid_rate", "fidelity"}
+    families = {k for k in out["final"] if k.startswith("success/")}
+    assert set(out["final"]) == headline | families and families
+    # Per-family rates, weighted by each family's held-out task count, give the overall rate.
+    summary = (workdir / "summary.md").read_text()
+    rows = [line.split("|")[1:-1] for line in summary.split("by task family")[1].splitlines()]
+    rows = [[c.strip() for c in r] for r in rows if r and r[0].strip() not in ("task family", "")]
+    rows = [r for r in rows if not r[0].startswith("---")]
+    assert {f"success/{r[0]}" for r in rows} == families
+    for column, result in ((2, out["sft"]), (3, out["final"])):
+        tasks = sum(int(r[1]) for r in rows)
+        weighted = sum(int(r[1]) * float(r[column]) for r in rows) / tasks
+        assert weighted == pytest.approx(result["success"], abs=1e-3)
     # The export loads in transformers and computes the same logits as the trained params.
     hf = AutoModelForCausalLM.from_pretrained(workdir / "export").eval()
     from envace_jax.models.hf_io import load_hf_model
@@ -187,3 +199,18 @@ def test_sigkill_mid_training_then_rerun_finishes(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from checkpoint" in r.stdout
     assert "Held-out real-environment evaluation" in r.stdout
+
+
+def test_family_success_is_a_rate_per_family_of_tasks_that_name_one():
+    import types
+
+    from envace_jax.rollout.real_env import family_success
+
+    def task(family):
+        return types.SimpleNamespace(metadata={"family": family} if family else {})
+
+    tasks = [task("a"), task("a"), task("a"), task("b"), task(None), task("c")]
+    results = [types.SimpleNamespace(success=s) for s in (True, False, True, False, True, True)]
+    got = family_success(results, tasks, ["a", "b", "c", "unseen"])
+    # 'unseen' has no task here: no rate rather than a 0 that reads as "always fails".
+    assert got == {"a": pytest.approx(2 / 3), "b": 0.0, "c": 1.0}
