@@ -123,7 +123,7 @@ class EvalResult:
     by_family: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def headline(self) -> dict[str, float]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "by_family"}
+        return {k: getattr(self, k) for k in _HEADLINE}
 
     def as_dict(self) -> dict[str, float]:
         """Flat scalars (metrics.jsonl, TensorBoard, checkpoint metadata)."""
@@ -131,9 +131,11 @@ class EvalResult:
 
     @classmethod
     def from_dict(cls, d: dict[str, float]) -> EvalResult:
-        fields = {k: d[k] for k in ("success", "reward", "tool_error_rate", "invalid_rate")}
         by_family = {k.split("/", 1)[1]: v for k, v in d.items() if k.startswith("success/")}
-        return cls(**fields, fidelity=d["fidelity"], by_family=by_family)
+        return cls(**{k: d[k] for k in _HEADLINE}, by_family=by_family)
+
+
+_HEADLINE = tuple(f.name for f in dataclasses.fields(EvalResult) if f.name != "by_family")
 
 
 class Trainer:

@@ -250,13 +250,16 @@ def compare_means(a: dict, b: dict, key: str = "success") -> tuple[float, float,
     else:
         d = a[key] - b[key]
         se = math.sqrt(a[key + "_std"] ** 2 / a["n"] + b[key + "_std"] ** 2 / b["n"])
+    return d, se, _verdict(d, se)
+
+
+def _verdict(d: float, se: float) -> str:
+    """'supported' beyond twice the standard error, 'contradicted' below minus twice it."""
     if d > 2 * se and d > 0:
-        verdict = "supported"
-    elif d < -2 * se and d < 0:
-        verdict = "contradicted"
-    else:
-        verdict = "not resolved"
-    return d, se, verdict
+        return "supported"
+    if d < -2 * se and d < 0:
+        return "contradicted"
+    return "not resolved"
 
 
 def claims(summary, sizes=SIZES) -> list[tuple[str, str, str]]:
@@ -293,13 +296,7 @@ def claims(summary, sizes=SIZES) -> list[tuple[str, str, str]]:
         if floor:
             v = f"not testable: the {sizes[floor[0]]} warm start solves no held-out task"
         else:
-            v = (
-                "supported"
-                if diff > 2 * se
-                else "contradicted"
-                if diff < -2 * se
-                else "not resolved"
-            )
+            v = _verdict(diff, se)
         text = (
             f"gain over grpo_real_env: {sizes[main]} {d_big:+.3f}, {sizes[small]} {d_small:+.3f}; "
             f"difference {diff:+.3f} (s.e. {se:.3f})"

@@ -215,7 +215,7 @@ def family_success(
     index = {f: i for i, f in enumerate(families)}
     sums = np.zeros((2, len(families)))
     for r, task in zip(results, tasks, strict=True):
-        i = index.get(getattr(task, "metadata", {}).get("family"))
+        i = index.get(task.metadata.get("family"))
         if i is not None:
             sums[:, i] += (1, r.success)
     if everywhere:
