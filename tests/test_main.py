@@ -91,3 +91,15 @@ def test_cli_bad_value_fails_before_building_anything(tmp_path):
     assert r.returncode == 2
     assert "config.mesh.tensor = 0" in r.stderr
     assert not (tmp_path / "export").exists()
+
+
+@pytest.mark.parametrize(
+    "variant", [None, "smoke", "base", "smollm2", "rehearsal_eval", "rehearsal_eval_smoke"]
+)
+def test_every_demo_variant_validates(variant):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_config", f"{REPO}/configs/demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    validate(module.get_config(variant))

