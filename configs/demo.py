@@ -11,20 +11,26 @@ Usage:
 from envace_jax.configuration import base_config
 
 
+def _from_checkpoint(config, sft_steps, sft_lr, sft_warmup, rl_lr, rl_warmup) -> None:
+    """A short warm start (warmup, then cosine decay over the rest) and the RL learning rate,
+    for a policy that starts from a trained checkpoint."""
+    config.schedule.sft_steps = sft_steps
+    config.sft_optim.learning_rate = sft_lr
+    config.sft_optim.warmup_steps = sft_warmup
+    config.sft_optim.decay_steps = sft_steps - sft_warmup
+    config.optim.learning_rate = rl_lr
+    config.optim.warmup_steps = rl_warmup
+
+
 def _from_demo_base(config) -> None:
     """Start from the shipped demo base (`base` below, envace_jax/models/demo_base) and
     continue its warm start briefly: from random init the policy needs ~1,500 steps before it
     copies ids from its context, three times this job's time budget."""
     config.model.hf_path = "demo-base"
-    config.schedule.sft_steps = 100
-    config.sft_optim.learning_rate = 1e-3
-    config.sft_optim.warmup_steps = 10
-    config.sft_optim.decay_steps = 90
     # RL from a trained base: at the reference's 1e-4 sixteen steps leave the policy where it
     # was (gradient norm ~0.01 under Adam); 1e-3 broke its message format within 8 steps. A
     # short warmup keeps Adam's first, sign-like update from taking a full step on one batch.
-    config.optim.learning_rate = 3e-4
-    config.optim.warmup_steps = 4
+    _from_checkpoint(config, 100, 1e-3, 10, rl_lr=3e-4, rl_warmup=4)
 
 
 def get_config(variant: str | None = None):
@@ -48,14 +54,9 @@ def get_config(variant: str | None = None):
         # spare special ids (`make smollm2` writes workdir/smollm2). About 45 s per warm-start
         # step on 2 CPU cores; meant for an accelerator.
         config.model.hf_path = config.tokenizer = "workdir/smollm2"
-        config.model.remat = "full"  # 30 layers of [rows, heads, T, T] attention otherwise
-        config.schedule.sft_steps = 40
+        config.model.remat = "full"  # without: the warm-start step asked for one 37 GB buffer
+        _from_checkpoint(config, 40, 1e-4, 4, rl_lr=1e-5, rl_warmup=2)
         config.schedule.log_every = 2
-        config.sft_optim.learning_rate = 1e-4
-        config.sft_optim.warmup_steps = 4
-        config.sft_optim.decay_steps = 36
-        config.optim.learning_rate = 1e-5
-        config.optim.warmup_steps = 2
         config.schedule.rl_steps = 12
         config.schedule.eval_every = 6
         config.rollout.group_size = 4
