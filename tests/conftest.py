@@ -33,6 +33,16 @@ def smollm2_hf_dir() -> str:
     return path
 
 
+def demo_config(variant=None):
+    """`configs/demo.py`'s config for `variant`, loaded from the file as the job loads it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_config", f"{REPO}/configs/demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant)
+
+
 def fake_devices_env(devices: int) -> dict[str, str]:
     """Environment of a subprocess that sees `devices` fake CPU devices and imports this
     checkout (sharding and multi-process tests run their JAX programs in a fresh process)."""

@@ -15,6 +15,7 @@ from envace_jax.configuration import (
     base_config,
     validate,
 )
+from tests.conftest import demo_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,9 +98,4 @@ def test_cli_bad_value_fails_before_building_anything(tmp_path):
     "variant", [None, "smoke", "base", "smollm2", "rehearsal_eval", "rehearsal_eval_smoke"]
 )
 def test_every_demo_variant_validates(variant):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("demo_config", f"{REPO}/configs/demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    validate(module.get_config(variant))
+    validate(demo_config(variant))

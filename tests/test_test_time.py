@@ -17,6 +17,7 @@ from envace_jax.rl.batch import STATUS_FINISHED, STATUS_INVALID, STATUS_TRUNCATE
 from envace_jax.rollout import memory as mem
 from envace_jax.text.tokenizer import load_tokenizer
 from envace_jax.text.trajectory import Role
+from tests.conftest import demo_config
 
 
 @pytest.fixture(scope="module")
@@ -464,31 +465,20 @@ def test_both_modes_form_and_insert_the_memory_with_a_loaded_random_qwen3(
 # ------------------------------------------------------------------------ the eval job
 
 
-def _demo_config(variant):
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "demo.py")
-    spec = importlib.util.spec_from_file_location("demo_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(variant)
-
-
 def test_rehearsal_config_errors_name_the_key(tmp_path):
     from envace_jax.configuration import ConfigError, validate
     from envace_jax.rehearsal_eval import RehearsalEvalError, check_architecture, train_dirs
 
-    config = _demo_config("rehearsal_eval")
+    config = demo_config("rehearsal_eval")
     assert config.job == "rehearsal_eval"
     config.rehearsal.table_budget = 3
     with pytest.raises(ConfigError, match=r"config\.rehearsal\.table_budget = 3"):
         validate(config)
-    config = _demo_config("rehearsal_eval")
+    config = demo_config("rehearsal_eval")
     config.job = "evaluate"
     with pytest.raises(ConfigError, match=r"config\.job = 'evaluate'"):
         validate(config)
-    config = _demo_config("rehearsal_eval")
+    config = demo_config("rehearsal_eval")
     with pytest.raises(
         RehearsalEvalError, match="config.rehearsal.checkpoint_dir=''.*checkpoints/"
     ):
@@ -497,10 +487,10 @@ def test_rehearsal_config_errors_name_the_key(tmp_path):
     assert train_dirs(config, str(tmp_path)) == (str(tmp_path / "checkpoints"), str(tmp_path))
     config.rehearsal.checkpoint_dir = str(tmp_path / "checkpoints")
     assert train_dirs(config, "elsewhere") == (str(tmp_path / "checkpoints"), str(tmp_path))
-    saved = json.loads(json.dumps(_demo_config("smoke").to_dict()))
+    saved = json.loads(json.dumps(demo_config("smoke").to_dict()))
     with pytest.raises(RehearsalEvalError, match=r"--config\.model\.preset='tiny-qwen3'"):
         check_architecture(config, saved, "checkpoint x")
-    check_architecture(_demo_config("rehearsal_eval_smoke"), saved, "checkpoint x")
+    check_architecture(demo_config("rehearsal_eval_smoke"), saved, "checkpoint x")
 
 
 @pytest.mark.slow  # a smoke train job, then the eval job on its workdir (a few minutes)
