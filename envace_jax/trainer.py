@@ -608,10 +608,12 @@ class Trainer:
             )
         header = ["policy", "success", "reward", "tool errors", "invalid", "fidelity"]
         keys = ["success", "reward", "tool_error_rate", "invalid_rate", "fidelity"]
+        # With no RL steps the final row is the warm start evaluated again (other sample key).
+        trained = f"RL ({self.config.mode})" if self.rl_steps else "final (no RL steps)"
         summary = table(
             [
                 ["warm start (SFT)"] + [sft_eval[k] for k in keys],
-                [f"RL ({self.config.mode})"] + [final.as_dict()[k] for k in keys],
+                [trained] + [final.as_dict()[k] for k in keys],
             ],
             header,
         )
@@ -622,7 +624,7 @@ class Trainer:
                 [f, tasks[f], warm_by_family.get(f, "-"), final.by_family.get(f, "-")]
                 for f in families
             ]
-            header = ["task family", "tasks", "warm start (SFT)", f"RL ({self.config.mode})"]
+            header = ["task family", "tasks", "warm start (SFT)", trained]
             summary += "\n\nSuccess by task family:\n\n" + table(rows, header)
         # export/ holds the acting policy; a trained REHEARSE set goes to export_rehearse/.
         exports = {"export": self._act_params(state.params)}

@@ -96,6 +96,7 @@ def test_outputs_and_hf_export(uninterrupted):
     assert set(out["final"]) == headline | families and families
     # Per-family rates, weighted by each family's held-out task count, give the overall rate.
     summary = (workdir / "summary.md").read_text()
+    assert "| RL (envace)" in summary and "no RL steps" not in summary
     rows = [line.split("|")[1:-1] for line in summary.split("by task family")[1].splitlines()]
     rows = [[c.strip() for c in r] for r in rows if r and r[0].strip() not in ("task family", "")]
     rows = [r for r in rows if not r[0].startswith("---")]
