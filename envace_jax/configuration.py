@@ -281,4 +281,26 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if problems:
         raise ConfigError("; ".join(problems))
     step_configs(config)
+    _check_update_chunks(config)
     return config
+
+
+def _check_update_chunks(config: ml_collections.ConfigDict) -> None:
+    """Each update splits its rows into mini_batches x micro_batches equal chunks; a count
+    that does not divide would otherwise fail at the first step of its phase, after the work
+    before it (a whole warm start, for the RL step)."""
+    r, s = config.rollout, config.schedule
+    batches = (
+        ("sft", s.sft_batch_size, "config.schedule.sft_batch_size"),
+        ("grpo", r.group_size * r.tasks_per_step, "config.rollout.group_size x tasks_per_step"),
+    )
+    problems = []
+    for section, rows, what in batches:
+        mini, micro = config[section].mini_batches, config[section].micro_batches
+        if rows % (mini * micro):
+            problems.append(
+                f"{what} = {rows} rows cannot be split into config.{section}.mini_batches="
+                f"{mini} x config.{section}.micro_batches={micro} equal chunks"
+            )
+    if problems:
+        raise ConfigError("; ".join(problems))

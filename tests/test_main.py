@@ -59,6 +59,32 @@ def test_bad_values_name_the_key(path, value, needle):
         validate(config)
 
 
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (
+            {"rollout.group_size": 3, "rollout.tasks_per_step": 3, "grpo.micro_batches": 2},
+            "config.rollout.group_size x tasks_per_step = 9 rows cannot be split into "
+            "config.grpo.mini_batches=1 x config.grpo.micro_batches=2",
+        ),
+        (
+            {"schedule.sft_batch_size": 6, "sft.mini_batches": 4},
+            "config.schedule.sft_batch_size = 6 rows cannot be split into "
+            "config.sft.mini_batches=4",
+        ),
+    ],
+)
+def test_update_chunks_that_do_not_divide_the_batch_are_named(overrides, needle):
+    config = base_config()
+    for path, value in overrides.items():
+        section, key = path.split(".")
+        config[section][key] = value
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        validate(config)
+    config.rollout.group_size = config.schedule.sft_batch_size = 8  # divides again
+    validate(config)
+
+
 def test_unknown_key_is_named():
     config = base_config()
     config.model.unlock()
