@@ -101,7 +101,9 @@ def base_config() -> ml_collections.ConfigDict:
     # SFT steps between held-out copy diagnostics (envace_jax.diagnostics; 0 = off): greedy
     # accuracy on ACT tokens and on their digits (ids, amounts) of held-out demonstrations.
     c.schedule.probe_every = 50
-    c.schedule.warm_start_dir = ""  # Workdir of a finished warm start to start RL from, or ''.
+    # Workdir whose warm start RL starts from, or '': a run with rl_steps=0 / mode 'sft_only',
+    # or a train job (the warm start it keeps in warm_start/).
+    c.schedule.warm_start_dir = ""
 
     c.eval = ml_collections.ConfigDict()
     c.eval.greedy = True  # Committed execution decodes greedily.

@@ -268,29 +268,44 @@ class Trainer:
     _WARM_START_KEYS = ("tokenizer", "model", "data", "sft", "sft_optim")
 
     def _load_warm_start(self, workdir: str) -> tuple[int, TrainState, dict[str, Any]]:
-        """The finished warm start of another run (its checkpoint at step schedule.sft_steps,
-        e.g. a 'sft_only' run's last one), so that several modes start RL from the same
-        parameters. Its evaluation is reused when this run evaluates the same way (same seed
-        and eval settings). Raises naming what does not match this config."""
+        """The finished warm start of another run, so that several modes, or a longer RL
+        phase, start from the same parameters: its checkpoint at step schedule.sft_steps when
+        that run stopped there (rl_steps=0, or mode 'sft_only'), else the warm start that a
+        train job keeps in warm_start/ (`rehearsal.keep_warm_start`). Its evaluation is reused
+        when this run evaluates the same way (same seed and eval settings). Raises naming what
+        does not match this config."""
         where = f"config.schedule.warm_start_dir={workdir!r}"
         if not os.path.isdir(workdir):
             raise ValueError(f"{where}: no such directory")
         directory = os.path.join(workdir, "checkpoints")  # a workdir, or its checkpoints/
-        ckpt = ckpt_lib.Checkpointer(directory if os.path.isdir(directory) else workdir, keep=1)
-        try:
-            if self.sft_steps not in ckpt.all_steps():
-                raise ValueError(
-                    f"{where}: no checkpoint at the end of a {self.sft_steps}-step warm start "
-                    f"(found steps {ckpt.all_steps()}); run it there with rl_steps=0 or "
-                    "mode='sft_only'"
-                )
-            step, state, meta = ckpt.restore(
-                lambda step, meta: self._abstract_state("sft"), step=self.sft_steps
+        directory = directory if os.path.isdir(directory) else workdir.rstrip("/")
+        loaded = None
+        with ckpt_lib.Checkpointer(directory, keep=1) as ckpt:
+            found = ckpt.all_steps()
+            if self.sft_steps in found:
+                try:
+                    step, state, meta = ckpt.restore(
+                        lambda step, meta: self._abstract_state("sft"), step=self.sft_steps
+                    )
+                except ckpt_lib.CheckpointError:  # another layout: e.g. RL's, at the boundary
+                    meta = {}
+                if meta.get("phase") == "done" and "sft_eval" in meta:
+                    loaded = step, state, meta
+        kept = os.path.join(os.path.dirname(directory), WARM_START_DIR)
+        if loaded is None and os.path.isdir(kept):
+            with ckpt_lib.Checkpointer(kept, keep=1) as keeper:
+                if self.sft_steps in keeper.all_steps():
+                    step, params, meta = keeper.restore(
+                        lambda step, meta: self._abstract_state("sft").params, step=self.sft_steps
+                    )
+                    loaded = step, self._fresh_state(params, "sft"), meta
+        if loaded is None:
+            raise ValueError(
+                f"{where}: no checkpoint at the end of a {self.sft_steps}-step warm start "
+                f"(found steps {found}; a run with rl_steps=0 or mode='sft_only' ends on one) "
+                f"and no such step in {WARM_START_DIR}/ (a train job keeps its warm start there)"
             )
-        finally:
-            ckpt.close()
-        if meta.get("phase") != "done" or "sft_eval" not in meta:
-            raise ValueError(f"{where}: step {step} is not a finished warm start")
+        step, state, meta = loaded
         ours = json.loads(json.dumps(self.config.to_dict()))
         theirs = meta.get("config", {})
         differ = [k for k in self._WARM_START_KEYS if ours.get(k) != theirs.get(k)]

@@ -295,6 +295,22 @@ def test_each_mode_trains_from_the_shared_warm_start(warm_start, tmp_path, mode)
     assert _max_change(restored.params, state.params) == 0.0
 
 
+def test_a_train_jobs_workdir_gives_the_warm_start_it_kept(warm_start, tmp_path):
+    """A train job ends on RL, and its checkpoint at step sft_steps opens the RL phase rather
+    than ending a warm start; the warm start it keeps in warm_start/ is what a longer RL run
+    from that workdir starts from."""
+    from envace_jax.trainer import Trainer
+
+    first = str(tmp_path / "first")
+    Trainer(smoke("envace", warm_start), first).run()
+    longer = Trainer(smoke("envace", first, **{"schedule.rl_steps": 6}), str(tmp_path / "b"))
+    step, state, meta = longer._load_warm_start(first)
+    _, shared, shared_meta = longer._load_warm_start(warm_start)
+    assert step == 4 and meta["warm_start_dir"] == first
+    assert _max_change(state.params, shared.params) == 0.0
+    assert meta["warm_start_eval"] == shared_meta["warm_start_eval"]
+
+
 def test_warm_start_from_another_config_is_refused(warm_start, tmp_path):
     from envace_jax.trainer import Trainer
 
