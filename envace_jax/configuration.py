@@ -19,6 +19,7 @@ import ml_collections
 
 from envace_jax.rl.config import GRPOConfig, SFTConfig
 from envace_jax.rl.optim import OptimConfig
+from envace_jax.rl.steps import chunking_problem
 
 # Training modes (envace_jax.rollout.modes): 'envace' = shared-parameter world rehearsal; the
 # baselines 'envace_noshare', 'grpo_real_env', 'external_simulator' and 'sft_only'.
@@ -299,10 +300,7 @@ def _check_update_chunks(config: ml_collections.ConfigDict) -> None:
     problems = []
     for section, rows, what in batches:
         mini, micro = config[section].mini_batches, config[section].micro_batches
-        if rows % (mini * micro):
-            problems.append(
-                f"{what} = {rows} rows cannot be split into config.{section}.mini_batches="
-                f"{mini} x config.{section}.micro_batches={micro} equal chunks"
-            )
+        if problem := chunking_problem(rows, mini, micro, section):
+            problems.append(f"{what} = {rows} rows {problem}")
     if problems:
         raise ConfigError("; ".join(problems))

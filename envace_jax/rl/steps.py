@@ -165,13 +165,20 @@ def split_rows(x: jax.Array, n: int) -> jax.Array:
     return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
 
-def _check_divisible(b: int, mini: int, micro: int, section: str) -> None:
-    if b % (mini * micro):
-        raise ValueError(
-            f"batch of {b} rows cannot be split into config.{section}.mini_batches={mini} x "
-            f"config.{section}.micro_batches={micro} equal chunks; pad rows (batch.pad) or "
-            "change the counts"
+def chunking_problem(rows: int, mini: int, micro: int, section: str) -> str | None:
+    """Why `rows` cannot be split into mini x micro equal chunks (None when they can); also
+    checked on the config before anything is compiled (`configuration.validate`)."""
+    if rows % (mini * micro):
+        return (
+            f"cannot be split into config.{section}.mini_batches={mini} x "
+            f"config.{section}.micro_batches={micro} equal chunks"
         )
+    return None
+
+
+def _check_divisible(b: int, mini: int, micro: int, section: str) -> None:
+    if problem := chunking_problem(b, mini, micro, section):
+        raise ValueError(f"batch of {b} rows {problem}; pad rows (batch.pad) or change the counts")
 
 
 def _chunks(arrays: dict[str, jax.Array], mini: int, micro: int) -> dict[str, jax.Array]:
