@@ -230,6 +230,23 @@ class Checkpointer:
             + ("tried " + "; ".join(tried) if tried else "the directory holds no checkpoints")
         )
 
+    def read_meta(self, step: int) -> dict:
+        """The meta dict saved with finished `step`, without reading its arrays (e.g. to
+        decide whether a step is worth restoring). CheckpointError if it is unreadable."""
+        try:
+            meta = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"]
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory}: unreadable meta ({_short(e)})"
+            ) from e
+        if not isinstance(meta, dict):
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory}: meta is a {type(meta).__name__}"
+            )
+        return meta
+
     def _restore_step(self, step: int, abstract_state: AbstractState) -> tuple[int, Any, dict]:
         """One step, or _Unreadable. Target errors (a caller bug) propagate as they are."""
         problem, meta, integrity = None, None, None

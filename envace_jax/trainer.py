@@ -282,15 +282,13 @@ class Trainer:
         loaded = None
         with ckpt_lib.Checkpointer(directory, keep=1) as ckpt:
             found = ckpt.all_steps()
+            # A train job's step sft_steps opens its RL phase: only a finished run's is read.
             if self.sft_steps in found:
-                try:
-                    step, state, meta = ckpt.restore(
+                meta = ckpt.read_meta(self.sft_steps)
+                if meta.get("phase") == "done" and "sft_eval" in meta:
+                    loaded = ckpt.restore(
                         lambda step, meta: self._abstract_state("sft"), step=self.sft_steps
                     )
-                except ckpt_lib.CheckpointError:  # another layout: e.g. RL's, at the boundary
-                    meta = {}
-                if meta.get("phase") == "done" and "sft_eval" in meta:
-                    loaded = step, state, meta
         kept = os.path.join(os.path.dirname(directory), WARM_START_DIR)
         if loaded is None and os.path.isdir(kept):
             with ckpt_lib.Checkpointer(kept, keep=1) as keeper:
