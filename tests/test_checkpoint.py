@@ -30,7 +30,8 @@ from tests.conftest import fake_devices_env
 
 def make_state(seed: int, vocab: int = 256) -> dict:
     """Params-like arrays (f32 and bf16, a NaN and a -0.0 for bit-exactness), an AdamW state
-    after one update (non-zero moments), PRNG key data and a step counter."""
+    after one update (non-zero moments), PRNG key data, a step counter and a buffer of random
+    bits (a sampler's saved state, say), which no compressor shrinks."""
     rng = np.random.default_rng(seed)
     embed = rng.standard_normal((vocab, 64)).astype(np.float32)
     embed[0, 0], embed[0, 1] = np.nan, -0.0
@@ -48,6 +49,7 @@ def make_state(seed: int, vocab: int = 256) -> dict:
         "opt_state": opt_state,
         "rng": jax.random.key_data(jax.random.key(seed)),
         "step": jnp.asarray(seed, jnp.int32),
+        "bits": jnp.asarray(rng.integers(0, 2**32, 4096, dtype=np.uint32)),
     }
 
 
@@ -242,12 +244,20 @@ def _truncate_data_file(step_dir):
 
 
 def _garble_data_bytes(step_dir):
-    # Same size, bytes changed inside a chunk: TensorStore decodes this without complaint
-    # (random floats do not compress, so zstd stores them raw); only the checksum notices.
-    path = _data_files(step_dir)[-1]
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        f.write(b"\xff" * 64)
+    # Same size, bytes changed inside a value: random bits do not compress, so zstd stores
+    # `bits` verbatim (a raw block, no frame checksum) and TensorStore decodes the changed
+    # bytes without complaint; only the checksum notices. Compressed values are no use here:
+    # a changed byte in them may or may not break decoding.
+    bits = make_state(int(os.path.basename(step_dir)))["bits"]
+    middle = np.asarray(bits)[2048:2056].tobytes()
+    for path in _data_files(step_dir):
+        with open(path, "r+b") as f:
+            at = f.read().find(middle)
+            if at >= 0:
+                f.seek(at)
+                f.write(bytes(b ^ 0xFF for b in middle))
+                return
+    raise AssertionError(f"the raw bytes of `bits` are in no data file of {step_dir}")
 
 
 def _garbler(relative):
