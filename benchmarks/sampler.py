@@ -6,6 +6,8 @@
    loop that returns to Python at every role switch and re-prefills the whole history (what a
    re-encode-every-turn rollout does). Both follow the same scripted demo conversations, forced
    through the real model's logits, so they decode identical tokens. Target: >= 2x.
+3. The same rehearsals: the decode loop's growing attention windows versus attending over the
+   whole buffer at every step. Target: >= 1.5x.
 
     python benchmarks/sampler.py [--batch 32] [--repeats 3]
 
@@ -25,10 +27,11 @@ import numpy as np
 from flax import nnx
 
 from envace_jax.models.hf_io import load_hf_model
+from envace_jax.sampling import loop
 from envace_jax.sampling.chat_spec import turn_spec
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.loop import Status
-from envace_jax.sampling.sampler import Sampler
+from envace_jax.sampling.sampler import Sampler, pad_rows
 from envace_jax.text.tokenizer import load_tokenizer
 from envace_jax.text.trajectory import encode_conversation
 
@@ -116,8 +119,10 @@ class ForcedModel(nnx.Module):
         self.cfg = model.cfg
         self.script = nnx.Variable(jnp.asarray(script, jnp.int32))
 
-    def __call__(self, tokens, positions, *, attention_mask=None, cache=None):
-        logits, cache = self.inner(tokens, positions, attention_mask=attention_mask, cache=cache)
+    def __call__(self, tokens, positions, *, attention_mask=None, cache=None, kv_window=None):
+        logits, cache = self.inner(
+            tokens, positions, attention_mask=attention_mask, cache=cache, kv_window=kv_window
+        )
         script = self.script[...]
         nxt = jnp.take_along_axis(script, jnp.minimum(positions + 1, script.shape[1] - 1), 1)
         return logits + jax.nn.one_hot(nxt, logits.shape[-1]) * 1e4, cache
@@ -130,20 +135,27 @@ def demo_conversations(tok, n):
     return [(oracle_messages(t), t.tools) for t in tasks]
 
 
-def bench_rehearsal(model, batch, repeats):
+def scripted_rehearsal(model, batch):
+    """The demo conversations forced through `model`: (forced model, reference encodings,
+    prompts up to each first ACT token, buffer length T)."""
     tok = load_tokenizer("demo")
     convs = demo_conversations(tok, batch)
     refs = [encode_conversation(tok, m, tools) for m, tools in convs]
-    n_prompt = [int(np.flatnonzero(r.roles)[0]) for r in refs]  # prompt = up to first ACT token
+    n_prompt = [int(np.flatnonzero(r.roles)[0]) for r in refs]
     width = max(len(r.ids) for r in refs) + 8
     script = np.zeros((batch, width), np.int32)
     for b, r in enumerate(refs):
         script[b, : len(r.ids)] = r.ids
-    forced = ForcedModel(model, script)
-    greedy = SamplingParams(greedy=True)
     T = 1 << int(np.ceil(np.log2(width + 1)))
-    in_loop = Sampler(forced, turn_spec(tok, mode="rehearse", max_turns=16), pad_id=0)
     prompts = [r.ids[:n].tolist() for r, n in zip(refs, n_prompt, strict=True)]
+    return ForcedModel(model, script), refs, prompts, T
+
+
+def bench_rehearsal(model, batch, repeats):
+    tok = load_tokenizer("demo")
+    forced, refs, prompts, T = scripted_rehearsal(model, batch)
+    greedy = SamplingParams(greedy=True)
+    in_loop = Sampler(forced, turn_spec(tok, mode="rehearse", max_turns=16), pad_id=0)
 
     def ours():
         state = in_loop.start(
@@ -192,6 +204,47 @@ def bench_rehearsal(model, batch, repeats):
     return batch / t_ours, batch / t_host, int(lengths.mean()), sum(map(len, boundaries)) / batch
 
 
+def bench_windows(model, batch, repeats):
+    """The same world rehearsals decoded in phases of growing attention windows (the loop's
+    default) and attending over the whole buffer at every step."""
+    tok = load_tokenizer("demo")
+    forced, _, prompts, T = scripted_rehearsal(model, batch)
+    graphdef, params = nnx.split(forced)
+    spec = turn_spec(tok, mode="rehearse", max_turns=16)
+    init = jax.jit(loop.init_state, static_argnums=0, static_argnames=("spec", "max_len"))
+    decode = jax.jit(loop.decode, static_argnums=0, static_argnames=("spec", "sampling", "windows"))
+    P = max(len(p) for p in prompts)
+    runs = {}
+    for windows in (None, (T,)):
+
+        def run(windows=windows):
+            state = init(
+                graphdef,
+                params,
+                jnp.asarray(pad_rows(prompts, P, 0)),
+                jnp.asarray([len(p) for p in prompts], jnp.int32),
+                key=jax.random.key(0),
+                spec=spec,
+                max_len=T,
+                max_new_tokens=T,
+            )
+            state = decode(
+                graphdef,
+                params,
+                state,
+                spec=spec,
+                sampling=SamplingParams(greedy=True),
+                max_steps=T,
+                windows=windows,
+            )
+            return np.asarray(state.tokens)
+
+        tokens = run()  # compile
+        runs[windows] = (best_of(run, repeats), tokens)
+    (t_phased, a), (t_whole, b) = runs[None], runs[(T,)]
+    return batch / t_phased, batch / t_whole, T, float((a == b).mean())
+
+
 def _message_bounds(ref):
     """(start, end, end of the glue after it) of each generated message of a reference."""
     out = []
@@ -222,6 +275,7 @@ def main():
             ckpt, model, args.batch, args.prompt, args.new_tokens, args.repeats
         )
     traj_ours, traj_host, mean_len, messages = bench_rehearsal(model, args.batch, args.repeats)
+    phased, whole, buffer, same = bench_windows(model, args.batch, args.repeats)
     rows = [
         ("greedy generate, tokens/s (ours)", ours),
         ("greedy generate, tokens/s (transformers)", hf),
@@ -231,6 +285,10 @@ def main():
         ("world rehearsal, trajectories/s (host loop + re-prefill)", traj_host),
         ("  ratio (target >= 2x)", traj_ours / traj_host),
         ("  mean trajectory tokens / generated messages", f"{mean_len} / {messages:.1f}"),
+        (f"world rehearsal, buffer {buffer}: trajectories/s (growing windows)", phased),
+        (f"world rehearsal, buffer {buffer}: trajectories/s (whole buffer)", whole),
+        ("  ratio (target >= 1.5x)", phased / whole),
+        ("  tokens identical", same),
     ]
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
@@ -246,6 +304,9 @@ def main():
                     "rehearsal_traj_per_s": traj_ours,
                     "host_loop_traj_per_s": traj_host,
                     "rehearsal_ratio": traj_ours / traj_host,
+                    "windowed_traj_per_s": phased,
+                    "whole_buffer_traj_per_s": whole,
+                    "window_ratio": phased / whole,
                 },
                 f,
                 indent=1,

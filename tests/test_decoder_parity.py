@@ -337,15 +337,16 @@ def _forward(model, tokens, positions, mask):
     return model(tokens, positions, attention_mask=mask)
 
 
-def _step(model, tokens, positions, cache):
-    return model(tokens, positions, cache=cache)
+def _step(model, tokens, positions, cache, kv_window=None):
+    return model(tokens, positions, cache=cache, kv_window=kv_window)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_incremental_decoding_matches_full_forward(family):
+@pytest.mark.parametrize("family,windowed", [("qwen3", False), ("llama", False), ("qwen3", True)])
+def test_incremental_decoding_matches_full_forward(family, windowed):
     """Prefill a prefix, decode one token at a time, append a multi-token chunk with a
     different number of real tokens per row, decode to the end; every real token's logits
-    equal the transformers full forward of the whole sequence."""
+    equal the transformers full forward of the whole sequence. Windowed: each call attends
+    over only the slots up to its largest position."""
     hf, cfg, _ = _pair(family)
     tokens, mask = _batch(cfg.vocab_size, seed=5)
     B, T = tokens.shape
@@ -353,7 +354,7 @@ def test_incremental_decoding_matches_full_forward(family):
     ref = _hf_logits(hf, tokens, mask, positions)
 
     model = _ours(family)
-    step = nnx.jit(_step, donate_argnums=3)
+    step = nnx.jit(_step, donate_argnums=3, static_argnums=4)
     S = T + 6
     cache = init_cache(cfg, B, S, jnp.float32)
     lengths = np.array(LENGTHS)
@@ -365,7 +366,10 @@ def test_incremental_decoding_matches_full_forward(family):
         pos = cur[:, None] + np.arange(width)[None]
         real = (np.arange(width)[None] < n_real[:, None]) & (pos < lengths[:, None])
         tok = np.where(real, tokens[np.arange(B)[:, None], np.minimum(pos, T - 1)], PAD)
-        logits, cache = step(model, jnp.asarray(tok, jnp.int32), jnp.asarray(pos, jnp.int32), cache)
+        window = int(pos.max()) + 1 if windowed else None
+        logits, cache = step(
+            model, jnp.asarray(tok, jnp.int32), jnp.asarray(pos, jnp.int32), cache, window
+        )
         logits = np.asarray(logits)
         for b, t in zip(*np.nonzero(real), strict=True):
             assert np.isnan(got[b, pos[b, t]]).all(), "each token is fed once"
@@ -433,3 +437,7 @@ def test_bad_inputs_raise_clear_errors():
         model(tok, tok, attention_mask=jnp.ones((2, 3)), cache=init_cache(cfg, 2, 8))
     with pytest.raises(ValueError, match="KVCache"):
         model(tok, tok, cache=init_cache(cfg, 3, 8))
+    with pytest.raises(ValueError, match="kv_window=9 .* cache length 8"):
+        model(tok, tok, cache=init_cache(cfg, 2, 8), kv_window=9)
+    with pytest.raises(ValueError, match="kv_window=4 needs a cache"):
+        model(tok, tok, kv_window=4)

@@ -87,7 +87,10 @@ def _conversation(two_users=False):
 
 
 class ScriptedModel(nnx.Module):
-    """Logits that make `script[b, p + 1]` the certain next token at position p of row b."""
+    """Logits that make `script[b, p + 1]` the certain next token at position p of row b.
+
+    A position outside the attended window (`kv_window`) gets flat logits, as a query that
+    cannot see itself would get wrong ones: the loop must never feed such a position."""
 
     def __init__(self, script: np.ndarray, vocab: int):
         self.cfg = ModelConfig(
@@ -101,10 +104,12 @@ class ScriptedModel(nnx.Module):
         )
         self.script = nnx.Variable(jnp.asarray(script, jnp.int32))
 
-    def __call__(self, tokens, positions, *, attention_mask=None, cache=None):
+    def __call__(self, tokens, positions, *, attention_mask=None, cache=None, kv_window=None):
         script = self.script[...]
         nxt = jnp.take_along_axis(script, jnp.minimum(positions + 1, script.shape[1] - 1), axis=1)
         logits = jax.nn.one_hot(nxt, self.cfg.vocab_size) * 100.0 - 50.0
+        if kv_window is not None:
+            logits = jnp.where((positions < kv_window)[..., None], logits, 0.0)
         return logits, cache
 
 

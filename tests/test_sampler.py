@@ -10,8 +10,9 @@ from flax import nnx
 from envace_jax.models.config import get_preset
 from envace_jax.models.decoder import Decoder
 from envace_jax.sampling.distributions import SamplingParams, sample_next, truncate_logits
+from envace_jax.sampling import loop
 from envace_jax.sampling.loop import CONTEXT, Status, TurnSpec
-from envace_jax.sampling.sampler import Sampler
+from envace_jax.sampling.sampler import Sampler, pad_rows
 
 END, CALL = 5, 6
 GENERATE = TurnSpec(end_id=END, tool_call_id=CALL, mode="generate", max_message_tokens=10_000)
@@ -112,6 +113,39 @@ def test_top_p_keeps_the_most_likely_token_even_when_it_alone_exceeds_p():
     logits = jnp.asarray([[10.0, 0.0, -1.0, -2.0]])
     kept = np.asarray(truncate_logits(logits, 0, 0.1)) > -1e29
     assert kept.tolist() == [[True, False, False, False]]
+
+
+def test_decode_phases_match_attending_the_whole_buffer(model):
+    """The loop widens its attention window as rows grow (16, 32, 64 here): rows of different
+    lengths crossing every boundary sample what attending all 64 slots samples."""
+    spec = TurnSpec(end_id=-1, tool_call_id=CALL, mode="generate", max_message_tokens=10_000)
+    prompts = _prompts(4, (3, 14, 9, 20))
+    key, sampling = jax.random.key(2), SamplingParams(temperature=1.0)
+    init = jax.jit(loop.init_state, static_argnums=0, static_argnames=("spec", "max_len"))
+    decode = jax.jit(loop.decode, static_argnums=0, static_argnames=("spec", "sampling", "windows"))
+    graphdef, params = nnx.split(model)
+    out = {}
+    for windows in [(16, 32, 64), (64,)]:
+        state = init(
+            graphdef,
+            params,
+            jnp.asarray(pad_rows(prompts, 32, 0)),
+            jnp.asarray([len(p) for p in prompts], jnp.int32),
+            key=key,
+            spec=spec,
+            max_len=64,
+            max_new_tokens=jnp.asarray([60, 20, 40, 44], jnp.int32),
+        )
+        state = decode(
+            graphdef, params, state, spec=spec, sampling=sampling, max_steps=64, windows=windows
+        )
+        out[windows] = loop.to_trajectories(state, pad_id=0)
+    phased, whole = out[(16, 32, 64)], out[(64,)]
+    np.testing.assert_array_equal(phased.lengths, [63, 34, 49, 64])  # budgets reached
+    np.testing.assert_array_equal(phased.tokens, whole.tokens)
+    np.testing.assert_allclose(phased.logprobs, whole.logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="must increase and end at the buffer 64"):
+        decode(graphdef, params, state, spec=spec, sampling=sampling, max_steps=1, windows=(32,))
 
 
 def test_host_continuation_matches_fresh_prefill(model):

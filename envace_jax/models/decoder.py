@@ -23,6 +23,9 @@ KV cache semantics (one code path for prefill, decode and chunked prefill):
       * chunked prefill of appended tokens (e.g. an observation after a tool call): positions
         start at each row's current length, right-padded like the prompt.
     Slots beyond a row's written tokens are never read: they are > p for every query.
+    `kv_window=W` (static) attends over slots [0, W) only, for a caller that knows every
+    position in the call is < W: the result is the same, at a cost that grows with W instead
+    of S (the decode loop widens W as its rows grow; see `sampling.loop.decode`).
     The caller keeps 0 <= p < S. A token with p outside [0, S) is not written (the write
     uses scatter with mode='drop': `dynamic_update_slice` would clamp the start index and
     silently overwrite valid slots) and its own logits are meaningless; other rows and
@@ -192,7 +195,8 @@ class Attention(nnx.Module):
     def __call__(self, x, sin, cos, mask, positions, cache_kv, layer):
         """One layer's attention (called with that layer's slice of the stacked params).
 
-        x [B, T, E]; sin/cos [B, T, D/2]; mask bool [B, T, S] (S = T without a cache);
+        x [B, T, E]; sin/cos [B, T, D/2]; mask bool [B, T, W] over the attended slots (W = T
+        without a cache; with one, the first W <= S slots);
         positions [B, T]; cache_kv None or (k, v) [L, B, S, K, D]; layer: int32 index.
         Returns y [B, T, E] and the updated (k, v) or None.
         """
@@ -220,7 +224,8 @@ class Attention(nnx.Module):
             ck = ck.at[layer, rows, positions].set(k.astype(ck.dtype), **put)
             cv = cv.at[layer, rows, positions].set(v.astype(cv.dtype), **put)
             cache_kv = (ck, cv)
-            keys, values = ck[layer].astype(dt), cv[layer].astype(dt)  # [B, S, K, D]
+            W = mask.shape[-1]  # the attended slots [0, W), W <= S (`kv_window`)
+            keys, values = ck[layer, :, :W].astype(dt), cv[layer, :, :W].astype(dt)
 
         qg = q.reshape(B, T, K, G, D)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
@@ -292,12 +297,13 @@ class Decoder(nnx.Module):
         *,
         attention_mask: jax.Array | None = None,
         cache: KVCache | None = None,
+        kv_window: int | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """The final-normed hidden states [B, T, E] (compute dtype) and the updated cache; see
         `__call__` for the arguments."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
-        _check_inputs(cfg, tokens, positions, attention_mask, cache)
+        _check_inputs(cfg, tokens, positions, attention_mask, cache, kv_window)
         B, T = tokens.shape
         positions = positions.astype(jnp.int32)
 
@@ -317,8 +323,8 @@ class Decoder(nnx.Module):
             mask = jnp.broadcast_to(mask, (B, T, T))
             cache_kv = None
         else:
-            slots = jnp.arange(cache.max_len, dtype=jnp.int32)
-            mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+            slots = jnp.arange(kv_window or cache.max_len, dtype=jnp.int32)
+            mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, W]
             cache_kv = (cache.k, cache.v)
 
         # Scan with jax.lax.scan over the split layer state rather than nnx.scan: the
@@ -348,10 +354,16 @@ class Decoder(nnx.Module):
         new_cache = None if cache is None else KVCache(k=cache_kv[0], v=cache_kv[1])
         return x, new_cache
 
-    def prefill(self, tokens: jax.Array, positions: jax.Array, cache: KVCache) -> KVCache:
+    def prefill(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        kv_window: int | None = None,
+    ) -> KVCache:
         """Writes `tokens` [B, T] into `cache` without computing logits: a long prompt never
         materialises [B, T, V] (for a 150k vocabulary that is ~0.6 MB per token)."""
-        return self.hidden_states(tokens, positions, cache=cache)[1]
+        return self.hidden_states(tokens, positions, cache=cache, kv_window=kv_window)[1]
 
     def __call__(
         self,
@@ -360,16 +372,18 @@ class Decoder(nnx.Module):
         *,
         attention_mask: jax.Array | None = None,
         cache: KVCache | None = None,
+        kv_window: int | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """tokens, positions: int [B, T]. attention_mask: optional [B, T] (1 = real token),
-        cache-less path only. cache: KVCache or None.
+        cache-less path only. cache: KVCache or None. kv_window: with a cache, attend over
+        its first kv_window slots only (every position must be below it).
 
         Returns logits [B, T, V] float32 and the updated cache (None if none was given).
         """
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         x, new_cache = self.hidden_states(
-            tokens, positions, attention_mask=attention_mask, cache=cache
+            tokens, positions, attention_mask=attention_mask, cache=cache, kv_window=kv_window
         )
         emb = self.embed.embedding[...]
         if cfg.tie_word_embeddings:
@@ -387,7 +401,7 @@ class Decoder(nnx.Module):
         return logits, new_cache
 
 
-def _check_inputs(cfg, tokens, positions, attention_mask, cache):
+def _check_inputs(cfg, tokens, positions, attention_mask, cache, kv_window):
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     if positions.shape != tokens.shape:
@@ -404,6 +418,11 @@ def _check_inputs(cfg, tokens, positions, attention_mask, cache):
             raise ValueError(
                 f"attention_mask {attention_mask.shape} must match tokens {tokens.shape}"
             )
+    if kv_window is not None and not (cache is not None and 1 <= kv_window <= cache.max_len):
+        raise ValueError(
+            f"kv_window={kv_window} needs a cache and must lie in [1, the cache length"
+            f" {None if cache is None else cache.max_len}]"
+        )
     if cache is not None:
         L, B, _, K, D = cache.k.shape
         want = (cfg.num_layers, tokens.shape[0], cfg.num_kv_heads, cfg.head_dim)

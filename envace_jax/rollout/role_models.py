@@ -69,6 +69,7 @@ class RoleDecoders(nnx.Module):
         *,
         attention_mask: jax.Array | None = None,
         cache: KVCache | None = None,
+        kv_window: int | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """tokens, positions int [B, T] -> logits [B, T, V] and the updated cache.
 
@@ -76,17 +77,25 @@ class RoleDecoders(nnx.Module):
         if cache is None:
             return self.act(tokens, positions, attention_mask=attention_mask)
         act_cache, reh_cache = self._split(cache)
-        act_logits, act_cache = self.act(tokens, positions, cache=act_cache)
-        reh_logits, reh_cache = self.rehearse(tokens, positions, cache=reh_cache)
+        act_logits, act_cache = self.act(tokens, positions, cache=act_cache, kv_window=kv_window)
+        reh_logits, reh_cache = self.rehearse(
+            tokens, positions, cache=reh_cache, kv_window=kv_window
+        )
         role, open_call = self._track(tokens, cache)
         logits = jnp.where((role == REHEARSE)[:, None, None], reh_logits, act_logits)
         return logits, self._join(cache, act_cache, reh_cache, role, open_call)
 
-    def prefill(self, tokens: jax.Array, positions: jax.Array, cache: KVCache) -> KVCache:
+    def prefill(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        kv_window: int | None = None,
+    ) -> KVCache:
         """Writes `tokens` [B, T] into both decoders' caches without computing logits."""
         act_cache, reh_cache = self._split(cache)
-        act_cache = self.act.prefill(tokens, positions, act_cache)
-        reh_cache = self.rehearse.prefill(tokens, positions, reh_cache)
+        act_cache = self.act.prefill(tokens, positions, act_cache, kv_window)
+        reh_cache = self.rehearse.prefill(tokens, positions, reh_cache, kv_window)
         role, open_call = self._track(tokens, cache)
         return self._join(cache, act_cache, reh_cache, role, open_call)
 
