@@ -240,21 +240,22 @@ def test_param_tree_is_the_contract():
         assert ("layers.attn.q_norm.scale" in table) == cfg.qk_norm
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_right_padded_batch_matches_transformers(family):
+# query_block 5 splits the 12-token rows into query blocks of 5, 5 and 2 (the last partial).
+@pytest.mark.parametrize("family,query_block", [("qwen3", 256), ("llama", 256), ("qwen3", 5)])
+def test_right_padded_batch_matches_transformers(family, query_block):
     hf, cfg, _ = _pair(family)
     tokens, mask = _batch(cfg.vocab_size)
     positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape).astype(np.int32)
     ref = _hf_logits(hf, tokens, mask, positions)
-    model = _ours(family)
+    model = _ours(family, query_block=query_block)
     logits, cache = _forward(model, tokens, positions, mask)
     assert cache is None and logits.dtype == jnp.float32
     assert np.abs(ref).max() > 1.0  # logits are not vanishingly small
     assert _max_diff_on(logits, ref, mask) <= TOL
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_left_padded_batch_matches_transformers(family):
+@pytest.mark.parametrize("family,query_block", [("qwen3", 256), ("llama", 5)])
+def test_left_padded_batch_matches_transformers(family, query_block):
     hf, cfg, _ = _pair(family)
     right, rmask = _batch(cfg.vocab_size, seed=1)
     T = right.shape[1]
@@ -265,7 +266,7 @@ def test_left_padded_batch_matches_transformers(family):
         tokens[b, T - n :], mask[b, T - n :] = right[b, :n], 1
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
     ref = _hf_logits(hf, tokens, mask, positions)
-    logits, _ = _forward(_ours(family), tokens, positions, mask)
+    logits, _ = _forward(_ours(family, query_block=query_block), tokens, positions, mask)
     assert np.isfinite(np.asarray(logits)).all()  # pad queries attend to nothing: no NaN
     assert _max_diff_on(logits, ref, mask) <= TOL
     # And the same real tokens give the same logits as the right-padded layout.
@@ -279,7 +280,7 @@ def test_left_padded_batch_matches_transformers(family):
     "family,overrides",
     [
         ("qwen3", dict(remat="full", scan_layers=False)),
-        ("llama", dict(remat="dots", scan_layers=True)),
+        ("llama", dict(remat="dots", scan_layers=True, query_block=4)),
     ],
 )
 def test_layer_loop_and_remat_variants_match_transformers(family, overrides):
@@ -292,9 +293,10 @@ def test_layer_loop_and_remat_variants_match_transformers(family, overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,remat", [("qwen3", "dots"), ("llama", "full")])
-def test_gradients_match_torch_autograd(family, remat):
-    """Backward through scan + remat equals torch autograd on the same scalar loss."""
+@pytest.mark.parametrize("family,remat,query_block", [("qwen3", "dots", 256), ("llama", "full", 5)])
+def test_gradients_match_torch_autograd(family, remat, query_block):
+    """Backward through scan + remat (and query blocks) equals torch autograd on the same
+    scalar loss."""
     hf, cfg, _ = _pair(family)
     tokens, mask = _batch(cfg.vocab_size, seed=3)
     positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape).astype(np.int32)
@@ -314,7 +316,7 @@ def test_gradients_match_torch_autograd(family, remat):
         cfg,
     )
 
-    model = _ours(family, remat=remat)
+    model = _ours(family, remat=remat, query_block=query_block)
 
     def loss(m):
         logits, _ = m(tokens, positions, attention_mask=mask)

@@ -9,8 +9,8 @@ from flax import nnx
 
 from envace_jax.models.config import get_preset
 from envace_jax.models.decoder import Decoder
-from envace_jax.sampling.distributions import SamplingParams, sample_next, truncate_logits
 from envace_jax.sampling import loop
+from envace_jax.sampling.distributions import SamplingParams, sample_next, truncate_logits
 from envace_jax.sampling.loop import CONTEXT, Status, TurnSpec
 from envace_jax.sampling.sampler import Sampler, pad_rows
 

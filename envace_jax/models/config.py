@@ -52,6 +52,9 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype (softmax and norms always run in float32)
     remat: str = "none"  # per-layer jax.checkpoint policy: 'none' | 'full' | 'dots'
     scan_layers: bool = True  # lax.scan over the stacked layers (else a Python loop)
+    # Cache-less attention runs in blocks of this many queries, each skipping the keys past
+    # its last query (a long sequence then computes about half the causal score matrix).
+    query_block: int = 256
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -100,6 +103,7 @@ class ModelConfig:
             "num_kv_heads",
             "head_dim",
             "max_position_embeddings",
+            "query_block",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
