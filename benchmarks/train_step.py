@@ -1,13 +1,14 @@
-"""Packed-trajectory GRPO step vs the one-row-per-message formulation, measured in one run.
+"""Packed-trajectory GRPO step vs the one-row-per-message formulation, measured in one run;
+and the packed step with the decoder's query-blocked attention vs one block (whole score matrix).
 
 Both formulations go through the same jitted GRPO step with the same optimizer and train the
 same objective (same advantages, message-mean loss); the script prints their losses side by
 side as a check. The row formulation re-encodes every message's prefix, so the tokens the
 model must process grow quadratically with the number of turns.
 
-MFU = the step's model FLOPs (counted analytically: projections, full T x T attention as
-computed, LM head; backward = 2 x forward) per second, over this machine's measured float32
-matmul throughput. (XLA's cost analysis counts a scanned layer once, so it is not used.)
+MFU = the step's model FLOPs (counted analytically: projections, the query-key pairs the
+attention computes, LM head; backward = 2 x forward) per second, over this machine's measured
+float32 matmul throughput. (XLA's cost analysis counts a scanned layer once, so it is not used.)
 
   python benchmarks/train_step.py                 # demo-size policy, 4-turn trajectories
   python benchmarks/train_step.py --turns 8 --repeats 5
@@ -32,12 +33,22 @@ from envace_jax.rl.config import GRPOConfig
 from envace_jax.rl.optim import OptimConfig, make_optimizer
 
 
+def attention_pairs(length: int, query_block: int) -> int:
+    """Query-key pairs the cache-less attention computes per row: each block of queries
+    against the keys up to its last query."""
+    if length <= query_block:
+        return length * length
+    ends = [min(s + query_block, length) for s in range(0, length, query_block)]
+    return sum((e - s) * e for s, e in zip(range(0, length, query_block), ends, strict=True))
+
+
 def forward_flops(cfg: ModelConfig, rows: int, length: int) -> float:
     """Matmul FLOPs of one forward pass over [rows, length] tokens."""
     e, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     hd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_token = cfg.num_layers * 2 * (e * (hd + 2 * kd) + hd * e + 3 * e * f) + 2 * e * v
-    attention = cfg.num_layers * 2 * 2 * length * length * hd  # QK^T and PV, per row
+    pairs = attention_pairs(length, cfg.query_block)
+    attention = cfg.num_layers * 2 * 2 * pairs * hd  # QK^T and PV, per row
     return rows * (length * per_token + attention)
 
 
@@ -95,7 +106,10 @@ def main():
 
     tx = make_optimizer(OptimConfig())
     params = nnx.state(model, nnx.Param)
-    batches: dict[str, TrajectoryBatch] = {"packed": packed, "rows": rows}
+    # The same parameters with attention in one block (the whole T x T score matrix).
+    whole = Decoder(mcfg.replace(query_block=packed.shape[1]), rngs=nnx.Rngs(0))
+    models = {"packed": model, "rows": model, "1 block": whole}
+    batches: dict[str, TrajectoryBatch] = {"packed": packed, "rows": rows, "1 block": packed}
     # Both accumulate over micro-batches of at most --micro-rows rows, so they run at the same
     # peak activation memory (the row batch would not fit at once).
     micro = {}
@@ -105,7 +119,9 @@ def main():
             for n in range(-(-batch.shape[0] // args.micro_rows), batch.shape[0] + 1)
             if batch.shape[0] % n == 0
         )
-    step = {n: steps.make_grpo_step(model, tx, GRPOConfig(micro_batches=micro[n])) for n in batches}
+    step = {
+        n: steps.make_grpo_step(models[n], tx, GRPOConfig(micro_batches=micro[n])) for n in batches
+    }
     states: dict[str, steps.TrainState] = {}
     first: dict[str, dict] = {}
     for name, batch in batches.items():  # compile and warm up
@@ -141,7 +157,7 @@ def main():
     for name, batch in batches.items():
         b, t = batch.shape
         sec = statistics.median(times[name])
-        flops = 3 * forward_flops(mcfg, b, t)  # forward + backward (2x)
+        flops = 3 * forward_flops(models[name].cfg, b, t)  # forward + backward (2x)
         values = (
             f"{b} x {t}",
             micro[name],
@@ -161,6 +177,11 @@ def main():
         f"packed vs rows: {tr / tp:.2f}x faster; {real_r / real_p:.2f}x fewer real tokens, "
         f"{rows.shape[0] * rows.shape[1] / (packed.shape[0] * packed.shape[1]):.2f}x fewer "
         "padded tokens"
+    )
+    tw = statistics.median(times["1 block"])
+    print(
+        f"query blocks of {mcfg.query_block} vs one block of {packed.shape[1]}: "
+        f"{tw / tp:.2f}x faster (the table's loss and grad norm columns should agree)"
     )
 
 
