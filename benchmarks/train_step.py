@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from envace_jax.models.config import ModelConfig, get_preset
-from envace_jax.models.decoder import Decoder
+from envace_jax.models.decoder import Decoder, query_blocks
 from envace_jax.rl import steps, synthetic
 from envace_jax.rl.batch import TrajectoryBatch, pad, validate
 from envace_jax.rl.config import GRPOConfig
@@ -34,12 +34,8 @@ from envace_jax.rl.optim import OptimConfig, make_optimizer
 
 
 def attention_pairs(length: int, query_block: int) -> int:
-    """Query-key pairs the cache-less attention computes per row: each block of queries
-    against the keys up to its last query."""
-    if length <= query_block:
-        return length * length
-    ends = [min(s + query_block, length) for s in range(0, length, query_block)]
-    return sum((e - s) * e for s, e in zip(range(0, length, query_block), ends, strict=True))
+    """Query-key pairs the cache-less attention computes per row."""
+    return sum((end - start) * end for start, end in query_blocks(length, query_block))
 
 
 def forward_flops(cfg: ModelConfig, rows: int, length: int) -> float:
