@@ -413,7 +413,10 @@ class Trainer:
                 if s.probe_every and (step % s.probe_every == 0 or step == self.sft_steps):
                     probe = self._copy_metrics(state.params)
                     m.update(probe)
-                    shown.update({k.split("/")[1]: v for k, v in probe.items()})
+                    # The bar shows the three headline scores; the per-tool ones go to the logs.
+                    shown.update(
+                        {k.split("/")[1]: v for k, v in probe.items() if k.count("/") == 1}
+                    )
                 self.writer.write(step, "sft", m)
                 progress.update(step, **shown)
             if step % s.checkpoint_every == 0 and step < self.sft_steps:
@@ -434,7 +437,9 @@ class Trainer:
             examples = demonstrations(tasks, self.tokenizer)
             longest = max(len(e.ids) for e in examples)
             length = bucket_length(longest, self.config.rollout.length_buckets)
-            self._probe = build_copy_probe(examples, self.tokenizer, self.pad_id, length)
+            # A demonstration has one tool response per call of the task's solution.
+            tools = [[c["name"] for c in t.ground_truth["solution"]] for t in tasks]
+            self._probe = build_copy_probe(examples, self.tokenizer, self.pad_id, length, tools)
         sh = self.sft_shardings
         with jax.set_mesh(sh.mesh), parallel.axis_rules(sh.rules):
             return copy_metrics(nnx.merge(self.graphdef, params, self.rest), self._probe)

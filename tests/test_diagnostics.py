@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from envace_jax.diagnostics import build_copy_probe, copy_metrics
-from envace_jax.envs.demo import demonstrations, generate_tasks
+from envace_jax.envs.demo import demonstrations, generate_tasks, oracle_messages
 from envace_jax.text import load_tokenizer
 from envace_jax.text.trajectory import Role
 
@@ -17,8 +17,17 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def examples(tok):
-    return demonstrations(generate_tasks(0, 6, split="validation"), tok)
+def tasks():
+    return generate_tasks(0, 12, split="validation")
+
+
+@pytest.fixture(scope="module")
+def examples(tok, tasks):
+    return demonstrations(tasks, tok)
+
+
+def _tool_names(tasks):
+    return [[c["name"] for c in t.ground_truth["solution"]] for t in tasks]
 
 
 class Oracle(nnx.Module):
@@ -79,3 +88,51 @@ def test_cut_examples_and_empty_input(tok, examples):
     assert probe.tokens.shape == (len(examples), 64)
     with pytest.raises(ValueError, match="no examples"):
         build_copy_probe([], tok, tok.pad_token_id, length=64)
+
+
+def test_rehearse_digits_scored_per_tool(tok, tasks, examples):
+    probe = build_copy_probe(examples, tok, tok.pad_token_id, 1024, _tool_names(tasks))
+    assert {"find_customer", "refund", "transfer"} <= set(probe.tools)
+    # Every REHEARSE token carries the tool of its response; nothing else carries one.
+    rehearse = np.zeros_like(probe.act)
+    for b, ex in enumerate(examples):
+        rehearse[b, : len(ex.ids)] = np.asarray(ex.roles) == Role.REHEARSE
+    rehearse[:, 0] = False
+    assert ((probe.response_tool >= 0) == rehearse).all()
+    # Independently of the segments: a tool's tagged digits are the digits its tool messages
+    # hold (the demo tokenizer writes one digit per token).
+    for t, tool in enumerate(probe.tools):
+        tagged = (probe.rehearse_digits & (probe.response_tool == t)).sum()
+        in_text = sum(
+            ch.isdigit()
+            for task in tasks
+            for m in oracle_messages(task)
+            if m["role"] == "tool" and m["name"] == tool
+            for ch in m["content"]
+        )
+        assert tagged == in_text > 0, tool
+
+    # A predictor right everywhere except before the digits of `refund` responses.
+    refund = probe.rehearse_digits & (probe.response_tool == probe.tools.index("refund"))
+    model = Oracle(probe.tokens, len(tok))
+    wrong = np.roll(refund, -1, axis=1)  # the prediction for token t + 1 is made at t
+    logits = np.array(model.logits[...])
+    logits[wrong] = np.eye(len(tok), dtype=np.float32)[tok.pad_token_id]
+    model.logits[...] = jnp.asarray(logits)
+    got = copy_metrics(model, probe)
+    assert got["heldout/rehearse_digit_acc/refund"] == 0.0
+    for tool in probe.tools:
+        if tool != "refund":
+            assert got[f"heldout/rehearse_digit_acc/{tool}"] == 1.0, tool
+    n_rehearse = probe.rehearse_digits.sum()
+    assert got["heldout/rehearse_digit_acc"] == pytest.approx(1 - refund.sum() / n_rehearse)
+    assert got["heldout/act_digit_acc"] == 1.0
+
+
+def test_tool_names_must_match_the_responses(tok, tasks, examples):
+    names = _tool_names(tasks)
+    names[3] = names[3][:-1]
+    with pytest.raises(ValueError, match=r"example 3 has \d+ REHEARSE segments"):
+        build_copy_probe(examples, tok, tok.pad_token_id, 1024, names)
+    with pytest.raises(ValueError, match="response_tools lists"):
+        build_copy_probe(examples, tok, tok.pad_token_id, 1024, names[:2])

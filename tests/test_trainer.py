@@ -91,6 +91,10 @@ def test_outputs_and_hf_export(uninterrupted):
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     phases = {r["phase"] for r in rows}
     assert {"sft", "rl", "eval"} <= phases
+    # The warm start's last row carries the copy probe, with the rehearser scored per tool.
+    probe = [r for r in rows if r["phase"] == "sft" and "heldout/rehearse_digit_acc" in r][-1]
+    per_tool = {k for k in probe if k.startswith("heldout/rehearse_digit_acc/")}
+    assert "heldout/rehearse_digit_acc/find_customer" in per_tool, sorted(probe)
     headline = {"success", "reward", "tool_error_rate", "invalid_rate", "fidelity"}
     families = {k for k in out["final"] if k.startswith("success/")}
     assert set(out["final"]) == headline | families and families
