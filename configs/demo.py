@@ -54,7 +54,7 @@ def get_config(variant: str | None = None):
         return config
     if variant == "smollm2":
         # A pretrained policy on the demo domain: SmolLM2-135M-Instruct with the tool tags on
-        # spare special ids (`make smollm2` writes workdir/smollm2). About 45 s per warm-start
+        # spare special ids (`make smollm2` writes workdir/smollm2). About 37 s per warm-start
         # step on 2 CPU cores; meant for an accelerator.
         config.model.hf_path = config.tokenizer = "workdir/smollm2"
         config.model.remat = "full"  # without: the warm-start step asked for one 37 GB buffer
