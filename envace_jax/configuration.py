@@ -100,7 +100,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.schedule.checkpoint_dir = ""  # Checkpoints: a path or gs:// URL; '' = workdir/checkpoints.
     c.schedule.log_every = 10  # SFT steps between metric lines.
     # SFT steps between held-out copy diagnostics (envace_jax.diagnostics; 0 = off): greedy
-    # accuracy on ACT tokens and on their digits (ids, amounts) of held-out demonstrations.
+    # accuracy on ACT tokens and on their digits (ids, amounts) of held-out demonstrations, and
+    # on the digits of tool responses (REHEARSE), overall and per tool.
     c.schedule.probe_every = 50
     # Workdir whose warm start RL starts from, or '': a run with rl_steps=0 / mode 'sft_only',
     # or a train job (the warm start it keeps in warm_start/).
