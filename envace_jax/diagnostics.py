@@ -62,29 +62,28 @@ def build_copy_probe(
         )
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     is_digit = np.array([p.isdigit() for p in pieces] + [False])  # ids past the vocab: False
+    tools = tuple(sorted({name for names in response_tools or () for name in names}))
     tokens = np.full((len(examples), length), pad_id, np.int32)
     act = np.zeros((len(examples), length), bool)
     rehearse = np.zeros((len(examples), length), bool)
+    response_tool = np.full((len(examples), length), -1, np.int32)
     for b, ex in enumerate(examples):
         n = min(len(ex.ids), length)
         tokens[b, :n] = ex.ids[:n]
         act[b, :n] = np.asarray(ex.roles[:n]) == Role.ACT
         rehearse[b, :n] = np.asarray(ex.roles[:n]) == Role.REHEARSE
-    act[:, 0] = rehearse[:, 0] = False  # nothing predicts the first token
-    digit = is_digit[np.minimum(tokens, len(is_digit) - 1)]
-    tools = tuple(sorted({n for names in response_tools or () for n in names}))
-    response_tool = np.full((len(examples), length), -1, np.int32)
-    for b, names in enumerate(response_tools or ()):
-        ex = examples[b]
+        if response_tools is None:
+            continue
         segs = [s for s, r in enumerate(ex.segment_roles(), 1) if r == Role.REHEARSE]
-        if len(segs) != len(names):
+        if len(segs) != len(response_tools[b]):
             raise ValueError(
                 f"build_copy_probe: example {b} has {len(segs)} REHEARSE segments but "
-                f"response_tools[{b}] names {len(names)} tools"
+                f"response_tools[{b}] names {len(response_tools[b])} tools"
             )
-        n = min(len(ex.ids), length)
-        for s, name in zip(segs, names, strict=True):
+        for s, name in zip(segs, response_tools[b], strict=True):
             response_tool[b, :n][np.asarray(ex.segments[:n]) == s] = tools.index(name)
+    act[:, 0] = rehearse[:, 0] = False  # nothing predicts the first token
+    digit = is_digit[np.minimum(tokens, len(is_digit) - 1)]
     return CopyProbe(tokens, act, act & digit, rehearse & digit, response_tool, tools)
 
 

@@ -49,7 +49,7 @@ from envace_jax.build import build_mesh, build_model, build_tokenizer
 from envace_jax.configuration import step_configs
 from envace_jax.data.stream import TaskStream, length_grouped_batch
 from envace_jax.diagnostics import build_copy_probe, copy_metrics
-from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks
+from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks, response_tools
 from envace_jax.metrics import (
     MetricsWriter,
     Progress,
@@ -437,8 +437,7 @@ class Trainer:
             examples = demonstrations(tasks, self.tokenizer)
             longest = max(len(e.ids) for e in examples)
             length = bucket_length(longest, self.config.rollout.length_buckets)
-            # A demonstration has one tool response per call of the task's solution.
-            tools = [[c["name"] for c in t.ground_truth["solution"]] for t in tasks]
+            tools = response_tools(tasks)
             self._probe = build_copy_probe(examples, self.tokenizer, self.pad_id, length, tools)
         sh = self.sft_shardings
         with jax.set_mesh(sh.mesh), parallel.axis_rules(sh.rules):

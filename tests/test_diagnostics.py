@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from envace_jax.diagnostics import build_copy_probe, copy_metrics
-from envace_jax.envs.demo import demonstrations, generate_tasks, oracle_messages
+from envace_jax.envs.demo import demonstrations, generate_tasks, oracle_messages, response_tools
 from envace_jax.text import load_tokenizer
 from envace_jax.text.trajectory import Role
 
@@ -24,10 +24,6 @@ def tasks():
 @pytest.fixture(scope="module")
 def examples(tok, tasks):
     return demonstrations(tasks, tok)
-
-
-def _tool_names(tasks):
-    return [[c["name"] for c in t.ground_truth["solution"]] for t in tasks]
 
 
 class Oracle(nnx.Module):
@@ -91,7 +87,7 @@ def test_cut_examples_and_empty_input(tok, examples):
 
 
 def test_rehearse_digits_scored_per_tool(tok, tasks, examples):
-    probe = build_copy_probe(examples, tok, tok.pad_token_id, 1024, _tool_names(tasks))
+    probe = build_copy_probe(examples, tok, tok.pad_token_id, 1024, response_tools(tasks))
     assert {"find_customer", "refund", "transfer"} <= set(probe.tools)
     # Every REHEARSE token carries the tool of its response; nothing else carries one.
     rehearse = np.zeros_like(probe.act)
@@ -130,7 +126,7 @@ def test_rehearse_digits_scored_per_tool(tok, tasks, examples):
 
 
 def test_tool_names_must_match_the_responses(tok, tasks, examples):
-    names = _tool_names(tasks)
+    names = response_tools(tasks)
     names[3] = names[3][:-1]
     with pytest.raises(ValueError, match=r"example 3 has \d+ REHEARSE segments"):
         build_copy_probe(examples, tok, tok.pad_token_id, 1024, names)

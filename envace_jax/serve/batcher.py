@@ -15,11 +15,10 @@ generated row each); the engine keeps one running batch of B rows, a bucket from
 Batch sizes, prompt widths and buffer lengths are all bucketed, so a server compiles a handful
 of programs, not one per request count. Widths and lengths take two buckets per octave (16, 24,
 32, 48, 64, 96, ...) rather than the sampler's powers of two: a decode step reads every layer's
-KV buffer up to its attention window (the whole buffer below 256 tokens, see
-`loop.attention_windows`) and prefill pays for every padded position,
-so at 16 rows a 21-token prompt with 64 new tokens decodes ~10% faster in a 96-token buffer than
-in a 128-token one and prefills ~20% faster at width 24 than at 32, for at most twice as many
-programs.
+KV buffer up to its attention window (the whole buffer up to 128 tokens, see
+`loop.attention_windows`) and prefill pays for every padded position, so at 16 rows a 21-token
+prompt with 64 new tokens decodes ~10% faster in a 96-token buffer than in a 128-token one and
+prefills ~20% faster at width 24 than at 32, for at most twice as many programs.
 
 When nothing runs, the first waiting request opens a window for others to arrive, so concurrent
 requests start in one batch: it stays open while requests keep coming (each arrival extends it

@@ -1,7 +1,7 @@
 """The demo domain: a small executable shop/bank world, its tasks, oracle and demonstrations."""
 
 from envace_jax.envs.demo.env import DemoEnv
-from envace_jax.envs.demo.oracle import demonstrations, oracle_messages
+from envace_jax.envs.demo.oracle import demonstrations, oracle_messages, response_tools
 from envace_jax.envs.demo.tasks import FAMILIES, SPLITS, generate_tasks, make_task, world_seed
 from envace_jax.envs.demo.tools import STATE_CHANGING, TOOL_NAMES, TOOL_SCHEMAS
 
@@ -16,5 +16,6 @@ __all__ = [
     "generate_tasks",
     "make_task",
     "oracle_messages",
+    "response_tools",
     "world_seed",
 ]

@@ -69,3 +69,9 @@ def demonstrations(tasks: Sequence[Any], tokenizer) -> list[EncodedConversation]
         encode_conversation(tokenizer, oracle_messages(t, env), t.template_tools, rehearse=True)
         for t in tasks
     ]
+
+
+def response_tools(tasks: Sequence[Any]) -> list[list[str]]:
+    """The tool of each response in each task's demonstration, in order (one per call of
+    its solution): per-tool scores of the rehearser (`diagnostics.build_copy_probe`)."""
+    return [[call["name"] for call in t.ground_truth["solution"]] for t in tasks]
