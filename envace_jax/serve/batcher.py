@@ -420,7 +420,11 @@ class Engine:
             stopped = st not in (loop.Status.RUNNING,)
             ids, logp = toks[slot, :n].tolist(), lps[slot, :n].tolist()
             total = seq.emitted + n
-            if seq.cancelled:
+            # Read once: a callback or the server thread may cancel the row while this loop
+            # runs, and the reason and the decision to finish must agree (read twice, a row
+            # still running once ended as 'stop').
+            cancelled = seq.cancelled
+            if cancelled:
                 reason = "cancelled"
             elif st in (loop.Status.FINISHED, loop.Status.INVALID):
                 reason = "stop"
@@ -430,9 +434,9 @@ class Engine:
             else:
                 reason = None
             seq.emitted += n
-            if ids and not seq.cancelled:
+            if ids and not cancelled:
                 seq.on_event(Tokens(tuple(ids), tuple(logp)))
-            if stopped or seq.cancelled:
+            if stopped or cancelled:
                 batch.rows[slot] = None
                 self._finish(seq, reason or "stop", num_generated=total)
         if all(s is None for s in batch.rows):
