@@ -279,16 +279,20 @@ class Trainer:
             raise ValueError(f"{where}: no such directory")
         directory = os.path.join(workdir, "checkpoints")  # a workdir, or its checkpoints/
         directory = directory if os.path.isdir(directory) else workdir.rstrip("/")
-        loaded = None
+        loaded, unreadable = None, ""
         with ckpt_lib.Checkpointer(directory, keep=1) as ckpt:
             found = ckpt.all_steps()
             # A train job's step sft_steps opens its RL phase: only a finished run's is read.
             if self.sft_steps in found:
-                meta = ckpt.read_meta(self.sft_steps)
-                if meta.get("phase") == "done" and "sft_eval" in meta:
-                    loaded = ckpt.restore(
-                        lambda step, meta: self._abstract_state("sft"), step=self.sft_steps
-                    )
+                try:
+                    meta = ckpt.read_meta(self.sft_steps)
+                    if meta.get("phase") == "done" and "sft_eval" in meta:
+                        loaded = ckpt.restore(
+                            lambda step, meta: self._abstract_state("sft"), step=self.sft_steps
+                        )
+                except ckpt_lib.CheckpointError as e:  # the kept copy below may still be whole
+                    unreadable = f"; the checkpoint there is unreadable: {e}"
+                    print(f"warning: {where}{unreadable}; looking in {WARM_START_DIR}/")
         kept = os.path.join(os.path.dirname(directory), WARM_START_DIR)
         if loaded is None and os.path.isdir(kept):
             with ckpt_lib.Checkpointer(kept, keep=1) as keeper:
@@ -301,7 +305,8 @@ class Trainer:
             raise ValueError(
                 f"{where}: no checkpoint at the end of a {self.sft_steps}-step warm start "
                 f"(found steps {found}; a run with rl_steps=0 or mode='sft_only' ends on one) "
-                f"and no such step in {WARM_START_DIR}/ (a train job keeps its warm start there)"
+                f"and no such step in {WARM_START_DIR}/ (a train job keeps its warm start "
+                f"there){unreadable}"
             )
         step, state, meta = loaded
         ours = json.loads(json.dumps(self.config.to_dict()))

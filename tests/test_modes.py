@@ -7,6 +7,7 @@ environment, NumPy token counts of the training batch.
 
 import json
 import os
+import shutil
 import sys
 
 import jax
@@ -309,6 +310,26 @@ def test_a_train_jobs_workdir_gives_the_warm_start_it_kept(warm_start, tmp_path)
     assert step == 4 and meta["warm_start_dir"] == first
     assert _max_change(state.params, shared.params) == 0.0
     assert meta["warm_start_eval"] == shared_meta["warm_start_eval"]
+
+
+def test_an_unreadable_warm_start_checkpoint_falls_back_to_the_kept_copy(
+    warm_start, tmp_path, capsys
+):
+    """The checkpoint at step sft_steps is corrupt: the copy the run kept in warm_start/ is
+    used, with a warning; without that copy, the error names the unreadable checkpoint."""
+    from envace_jax.trainer import Trainer
+
+    copy = tmp_path / "warm"
+    shutil.copytree(warm_start, copy)
+    (copy / "checkpoints" / "4" / "meta" / "metadata").write_text("{not json")
+    trainer = Trainer(smoke("envace", str(copy)), str(tmp_path / "run"))
+    step, state, _ = trainer._load_warm_start(str(copy))
+    _, shared, _ = trainer._load_warm_start(warm_start)
+    assert step == 4 and _max_change(state.params, shared.params) == 0.0
+    assert "warning:" in capsys.readouterr().out
+    shutil.rmtree(copy / "warm_start")
+    with pytest.raises(ValueError, match=r"checkpoint there is unreadable: checkpoint step 4"):
+        trainer._load_warm_start(str(copy))
 
 
 def test_warm_start_from_another_config_is_refused(warm_start, tmp_path):
