@@ -46,7 +46,7 @@ from flax import nnx, struct
 
 from envace_jax.models.decoder import CACHE_LOGICAL_AXES, KVCache, init_cache
 from envace_jax.parallel import with_logical_constraint
-from envace_jax.sampling.distributions import SamplingParams, sample_next
+from envace_jax.sampling.distributions import RowSampling, SamplingParams, sample_next
 from envace_jax.text.trajectory import Role
 
 CONTEXT, ACT, REHEARSE = int(Role.CONTEXT), int(Role.ACT), int(Role.REHEARSE)
@@ -226,7 +226,12 @@ def init_state(
 
 
 def _step(
-    graphdef, params, spec: TurnSpec, sampling: SamplingParams, window: int, s: LoopState
+    graphdef,
+    params,
+    spec: TurnSpec,
+    sampling: SamplingParams | RowSampling,
+    window: int,
+    s: LoopState,
 ) -> LoopState:
     """One token for every running row; every row's length must be <= `window`."""
     B, T = s.tokens.shape
@@ -339,7 +344,7 @@ def decode(
     state: LoopState,
     *,
     spec: TurnSpec,
-    sampling: SamplingParams,
+    sampling: SamplingParams | RowSampling,
     max_steps: int | jax.Array,
     windows: tuple[int, ...] | None = None,
 ) -> LoopState:
@@ -349,6 +354,9 @@ def decode(
     T): a phase attends over its window's slots and lasts while every row (running or not:
     a stopped row is still fed) fits in it. Rows only grow, so each phase starts where the
     previous one ended; the result is that of attending over the whole buffer.
+
+    sampling: `SamplingParams` (static: jit with it in static_argnames) or `RowSampling`
+    (arrays [B]: a traced argument).
     """
     stop_at = state.step + jnp.asarray(max_steps, jnp.int32)
     T = state.tokens.shape[1]

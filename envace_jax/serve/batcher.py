@@ -5,10 +5,12 @@ generated row each); the engine keeps one running batch of B rows, a bucket from
 (e.g. 1, 4, 16, 32), with a buffer of T tokens (bucketed, see below), and alternates:
 
 1. admit: waiting sequences are prefilled into free rows of the running batch (a row is free
-   once its sequence stopped or was cancelled). A sequence is admitted only if it has the batch's
-   sampling parameters (a static argument of the compiled loop) and fits its buffer; the first
-   one that does not blocks the ones behind it, so the batch drains and the next batch is
-   formed around it (first come, first served; no request waits behind an endless stream).
+   once its sequence stopped or was cancelled). A sequence is admitted only if it fits the
+   batch's buffer; the first one that does not blocks the ones behind it, so the batch drains
+   and the next batch is formed around it (first come, first served; no request waits behind an
+   endless stream). Sampling parameters are per-row inputs of the compiled loop
+   (`RowSampling`), so rows with any temperature, top-p and top-k share a batch, and no
+   client can make the engine compile a program per setting.
 2. decode `chunk_steps` tokens for every row (`loop.decode` with a step limit);
 3. emit every row's new tokens to its sequence's callback, and free stopped rows.
 
@@ -48,12 +50,13 @@ import numpy as np
 from flax import nnx
 
 from envace_jax.sampling import loop
-from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.sampling.distributions import RowSampling, SamplingParams
 from envace_jax.sampling.sampler import pad_rows
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ROW_BUCKETS = (1, 4, 16, 32)
+_IDLE_ROW = SamplingParams(greedy=True)  # free rows: no truncation work in the sampler
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -113,7 +116,6 @@ class Sequence:
 @dataclasses.dataclass
 class _Batch:
     state: loop.LoopState
-    sampling: SamplingParams
     rows: list[Sequence | None]  # slot -> sequence
     prompt_len: np.ndarray  # int [B]
 
@@ -205,11 +207,15 @@ class Engine:
         self._init = jax.jit(
             loop.init_state, static_argnums=(0,), static_argnames=("spec", "max_len")
         )
+
+        def decode(graphdef, params, state, *, spec, sampling, max_steps):
+            self.stats["decode_programs"] += 1  # runs when jit traces: once per program
+            return loop.decode(
+                graphdef, params, state, spec=spec, sampling=sampling, max_steps=max_steps
+            )
+
         self._decode = jax.jit(
-            loop.decode,
-            static_argnums=(0,),
-            static_argnames=("spec", "sampling"),
-            donate_argnums=(2,),
+            decode, static_argnums=(0,), static_argnames=("spec",), donate_argnums=(2,)
         )
         self._insert = jax.jit(_insert, donate_argnums=(0,))
         self._window = jax.jit(_window, static_argnames=("width",))
@@ -220,7 +226,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._batch: _Batch | None = None
         self._joining: list[Sequence] = []  # popped from the queue, not yet in a batch
-        self.stats = collections.Counter()  # batches, admitted, steps, chunks, errors
+        # batches, admitted, chunks, errors, finished_<reason>, decode_programs (compiled)
+        self.stats = collections.Counter()
 
     # ------------------------------------------------------------------ public API
     def start(self) -> Engine:
@@ -316,14 +323,14 @@ class Engine:
             self._pending.remove(seq)
             self._finish(seq, "cancelled")
 
-    def _take_compatible(self, sampling, max_len, limit) -> list[Sequence]:
+    def _take_fitting(self, max_len, limit) -> list[Sequence]:
         """Pops waiting sequences in arrival order while they fit (see the module docstring)."""
         taken = []
         with self._cv:
             self._drop_cancelled_pending()
             while self._pending and len(taken) < limit:
                 seq = self._pending[0]
-                if seq.sampling != sampling or (max_len is not None and seq.need > max_len):
+                if seq.need > max_len:
                     break
                 taken.append(self._pending.popleft())
         return taken
@@ -353,16 +360,14 @@ class Engine:
             self._drop_cancelled_pending()
             if not self._pending:
                 return
-            head = self._pending[0]
-            # The head's sampling decides; later arrivals with the same sampling join it.
-            group = [s for s in self._pending if s.sampling == head.sampling][: self.max_batch]
-            for s in group:
-                self._pending.remove(s)
+            group = [
+                self._pending.popleft() for _ in range(min(len(self._pending), self.max_batch))
+            ]
             self._joining = group
         rows = self._rows_bucket(len(group))
         max_len = bucket(max(s.need for s in group))
         state = self._prefill(group, rows, max_len)
-        batch = _Batch(state, head.sampling, [None] * rows, np.zeros(rows, np.int64))
+        batch = _Batch(state, [None] * rows, np.zeros(rows, np.int64))
         for i, seq in enumerate(group):
             self._place(batch, seq, i)
         self._batch = batch
@@ -379,7 +384,7 @@ class Engine:
         free = [i for i, s in enumerate(batch.rows) if s is None]
         if not free:
             return
-        seqs = self._take_compatible(batch.sampling, batch.max_len, len(free))
+        seqs = self._take_fitting(batch.max_len, len(free))
         if not seqs:
             return
         self._joining = seqs
@@ -400,7 +405,7 @@ class Engine:
             self.params,
             batch.state,
             spec=self.spec,
-            sampling=batch.sampling,
+            sampling=RowSampling.of([_IDLE_ROW if s is None else s.sampling for s in batch.rows]),
             max_steps=self.chunk_steps,
         )
         self.stats["chunks"] += 1
