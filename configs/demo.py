@@ -6,6 +6,8 @@ Usage:
   python -m envace_jax.main --config configs/demo.py --config.seed=1 --workdir ...  # overrides
   python -m envace_jax.main --config configs/demo.py:rehearsal_eval --workdir workdir/demo
       # test-time rehearsal table and plot of the trained workdir (after the train job)
+  python -m envace_jax.main --config configs/demo.py:headroom --workdir workdir/demo
+      # greedy, pass@1 and pass@8 per task family of the trained workdir's policies
 """
 
 from envace_jax.configuration import base_config
@@ -38,7 +40,7 @@ def _from_demo_base(config) -> None:
 
 def get_config(variant: str | None = None):
     config = base_config()
-    if variant in (None, "", "rehearsal_eval"):
+    if variant in (None, "", "rehearsal_eval", "headroom"):
         _from_demo_base(config)
     if variant in (None, ""):
         return config
@@ -68,6 +70,11 @@ def get_config(variant: str | None = None):
         config.eval.fidelity_tasks = 16
         config.schedule.probe_every = 20
         config.eval.probe_tasks = 16
+        return config
+    if variant == "headroom":
+        # Greedy, pass@1 and pass@k per task family of a trained demo workdir's policies
+        # (envace_jax.headroom): pass the train job's --workdir.
+        config.job = "headroom"
         return config
     if variant == "rehearsal_eval":
         # Test-time rehearsal of a trained demo workdir (envace_jax.rehearsal_eval): pass the
@@ -102,5 +109,5 @@ def get_config(variant: str | None = None):
         return config
     raise ValueError(
         f"configs/demo.py: unknown variant {variant!r}; known: 'smoke', 'base', 'smollm2', "
-        "'rehearsal_eval', 'rehearsal_eval_smoke'"
+        "'rehearsal_eval', 'rehearsal_eval_smoke', 'headroom'"
     )

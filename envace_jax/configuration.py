@@ -26,15 +26,16 @@ from envace_jax.rl.steps import chunking_problem
 MODES = ("envace", "envace_noshare", "grpo_real_env", "external_simulator", "sft_only")
 
 
-JOBS = ("train", "rehearsal_eval")  # What envace_jax.main runs (envace_jax.jobs).
+JOBS = ("train", "rehearsal_eval", "headroom")  # What envace_jax.main runs (envace_jax.jobs).
 
 
 class ConfigError(ValueError):
     """A config key is unknown, has the wrong type, or holds a value outside its range."""
 
 
-def _section(cls, **overrides) -> ml_collections.ConfigDict:
-    values = {f.name: getattr(cls(), f.name) for f in dataclasses.fields(cls)}
+def _section(cls, exclude: tuple[str, ...] = (), **overrides) -> ml_collections.ConfigDict:
+    fields = [f.name for f in dataclasses.fields(cls) if f.name not in exclude]
+    values = {name: getattr(cls(), name) for name in fields}
     values.update(overrides)
     return ml_collections.ConfigDict(values)
 
@@ -43,7 +44,9 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # Seeds parameter init, task generation order, sampling.
     c.mode = "envace"  # Training mode, one of MODES.
-    c.job = "train"  # What main runs: 'train' (the EnvACE job) or 'rehearsal_eval' (see rehearsal).
+    # What main runs: 'train' (the EnvACE job), 'rehearsal_eval' (see rehearsal) or 'headroom'
+    # (greedy, pass@1 and pass@k of a trained workdir's policies).
+    c.job = "train"
     c.tokenizer = "demo"  # 'demo' (shipped byte-level BPE) or a local HF tokenizer directory.
 
     c.model = ml_collections.ConfigDict()
@@ -64,6 +67,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.env = "demo"  # Task domain and executable environment ('demo').
     c.data.train_tasks = 4096  # Generated training tasks (SFT demonstrations and RL prompts).
     c.data.eval_tasks = 128  # Held-out tasks (a split never used in training) for evaluation.
+    # Warm-start demonstrations that show a failing call (the environment's real error
+    # response) and the recovery, so that both roles see what a failure looks like.
+    c.data.failure_demos = 0.25
 
     c.sft = _section(SFTConfig)  # Warm-start step (envace_jax.rl.config.SFTConfig).
     c.sft_optim = _section(
@@ -74,13 +80,17 @@ def base_config() -> ml_collections.ConfigDict:
         decay_steps=370,
         end_lr_ratio=0.1,
     )  # Optimizer of the warm start (envace_jax.rl.optim.OptimConfig).
-    c.grpo = _section(GRPOConfig)  # Role-wise GRPO step (envace_jax.rl.config.GRPOConfig).
+    # Role-wise GRPO step (envace_jax.rl.config.GRPOConfig); its temperature is
+    # rollout.temperature.
+    c.grpo = _section(GRPOConfig, exclude=("temperature",))
     c.optim = _section(OptimConfig, learning_rate=1e-4)  # Optimizer of the RL phase.
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.group_size = 8  # K rollouts per task (one GRPO group).
     c.rollout.tasks_per_step = 8  # Tasks per RL step; a step trains on group_size x this rows.
-    c.rollout.temperature = 1.0  # Sampling temperature of training rollouts.
+    # Sampling temperature of training rollouts, and of the train step's log-probs (they must
+    # match for the importance ratios to be right).
+    c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0  # Nucleus sampling of training rollouts (1.0 = off, as the reference).
     c.rollout.max_new_tokens = 384  # Token budget of one trajectory after its prompt.
     c.rollout.max_turns = 6  # ACT messages per trajectory.
@@ -108,7 +118,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.schedule.warm_start_dir = ""
 
     c.eval = ml_collections.ConfigDict()
-    c.eval.greedy = True  # Committed execution decodes greedily.
+    # Held-out evaluation (envace_jax.evaluation): greedy, and avg@4 sampled at this setting
+    # (the reference's validation sampling).
+    c.eval.temperature = 0.6  # Sampling temperature of the avg@4 executions.
+    c.eval.top_p = 0.95  # Nucleus sampling of the avg@4 executions.
+    c.eval.pass_k = 8  # Samples per task of the headroom job (pass@k), at rollout.temperature.
     c.eval.fidelity_tasks = 32  # Held-out tasks whose rehearsals are checked against the env.
     c.eval.max_new_tokens = 384  # Token budget of one evaluation episode.
     c.eval.probe_tasks = 32  # Held-out tasks whose demonstrations the copy diagnostics score.
@@ -176,6 +190,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.env": _choice("demo"),
     "data.train_tasks": _int(1),
     "data.eval_tasks": _int(1),
+    "data.failure_demos": _float(0.0, 1.0),
     "rollout.group_size": _int(1),
     "rollout.tasks_per_step": _int(1),
     "rollout.temperature": _float(1e-6),
@@ -203,7 +218,9 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "schedule.probe_every": _int(0),
     "eval.probe_tasks": _int(1),
     "schedule.warm_start_dir": (lambda v: isinstance(v, str), "a workdir path or ''"),
-    "eval.greedy": (lambda v: isinstance(v, bool), "a bool"),
+    "eval.temperature": _float(1e-6),
+    "eval.top_p": _float(1e-6, 1.0),
+    "eval.pass_k": _int(1),
     "eval.fidelity_tasks": _int(0),
     "eval.max_new_tokens": _int(1),
     "generate.max_new_tokens": _int(1),
@@ -252,8 +269,11 @@ def step_configs(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The step dataclasses of `config`, keyed by section name (raises naming bad keys)."""
     out = {}
     for section, cls in _DATACLASS_SECTIONS.items():
+        values = config[section].to_dict()
+        if section == "grpo":  # one temperature for the sampler and the step's log-probs
+            values["temperature"] = config.rollout.temperature
         try:
-            out[section] = cls.from_config(config[section], section)
+            out[section] = cls.from_config(values, section)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return out

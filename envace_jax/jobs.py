@@ -8,7 +8,12 @@ import ml_collections
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """'train': the EnvACE training job (warm start, world-rehearsal RL, real-environment
     evaluation). 'rehearsal_eval': test-time rehearsal of a trained workdir
-    (`envace_jax.rehearsal_eval`)."""
+    (`envace_jax.rehearsal_eval`). 'headroom': greedy, pass@1 and pass@k of a trained workdir's
+    policies (`envace_jax.headroom`)."""
+    if config.job == "headroom":
+        from envace_jax.headroom import run as headroom
+
+        return headroom(config, workdir)
     if config.job == "rehearsal_eval":
         from envace_jax.rehearsal_eval import run as rehearsal_eval
 

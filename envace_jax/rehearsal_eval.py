@@ -20,7 +20,7 @@ generation seed `config.seed + s`) are run:
   budget N' in `rehearsal.budgets` comes from the first N' attempts (see
   `rollout.test_time`), and conditions one committed run.
 
-The committed run is always the EnvACE-trained policy's, greedy (`eval.greedy`), in a fresh
+The committed run is always the EnvACE-trained policy's, greedy, in a fresh
 real environment; the rehearser only writes the attempts, their assessments and (format
 'summary') the memory, so the rows compare rehearsers as the paper's table does. A
 warm-start-policy row without rehearsal is printed for reference.
@@ -234,7 +234,7 @@ def evaluate_seed(ttr: TestTimeRehearsal, policies, tasks, budgets, key, eval_cf
         memories,
         DemoEnv,
         key=k,
-        sampling=SamplingParams(greedy=True) if eval_cfg.greedy else SamplingParams(),
+        sampling=SamplingParams(greedy=True),
         max_new_tokens=eval_cfg.max_new_tokens,
     )
     out: dict[str, dict] = {}

@@ -44,9 +44,10 @@ import optax
 from flax import nnx, struct
 
 from envace_jax import checkpoint as ckpt_lib
-from envace_jax import parallel
+from envace_jax import evaluation, parallel
 from envace_jax.build import build_mesh, build_model, build_tokenizer
 from envace_jax.configuration import step_configs
+from envace_jax.evaluation import EvalResult
 from envace_jax.data.stream import TaskStream, length_grouped_batch
 from envace_jax.diagnostics import build_copy_probe, copy_metrics
 from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks, response_tools
@@ -72,12 +73,6 @@ from envace_jax.rl.steps import (
 )
 from envace_jax.rollout.memory import memory_demonstrations
 from envace_jax.rollout.modes import mode_spec, real_env_group_rollouts
-from envace_jax.rollout.real_env import (
-    family_success,
-    real_env_metrics,
-    real_env_rollouts,
-    rehearsal_fidelity,
-)
 from envace_jax.rollout.role_models import role_decoders, role_state
 from envace_jax.rollout.world_rehearsal import RolloutBatch, rehearsal_rollouts
 from envace_jax.sampling.chat_spec import turn_spec
@@ -110,32 +105,6 @@ class RoleStates:
     @property
     def params(self) -> RoleParams:
         return RoleParams(self.act.params, self.rehearse.params)
-
-
-@dataclasses.dataclass
-class EvalResult:
-    success: float
-    reward: float
-    tool_error_rate: float
-    invalid_rate: float
-    fidelity: float
-    # Success per task family (tasks whose metadata name one), written as `success/<family>`.
-    by_family: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def headline(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in _HEADLINE}
-
-    def as_dict(self) -> dict[str, float]:
-        """Flat scalars (metrics.jsonl, TensorBoard, checkpoint metadata)."""
-        return {**self.headline(), **{f"success/{f}": v for f, v in self.by_family.items()}}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, float]) -> EvalResult:
-        by_family = {k.split("/", 1)[1]: v for k, v in d.items() if k.startswith("success/")}
-        return cls(**{k: d[k] for k in _HEADLINE}, by_family=by_family)
-
-
-_HEADLINE = tuple(f.name for f in dataclasses.fields(EvalResult) if f.name != "by_family")
 
 
 class Trainer:
@@ -349,10 +318,13 @@ class Trainer:
     def sft_examples(self) -> list:
         """Warm-start sequences (`text.trajectory.EncodedConversation`), one per training task:
         its oracle conversation, actions as ACT and the real environment's responses as
-        REHEARSE targets. For a fraction `rehearsal.sft_memory_fraction` of the tasks the prompt
+        REHEARSE targets; a share `data.failure_demos` shows a failing call and its recovery
+        (`envs.demo.oracle.recovery_messages`). For a fraction `rehearsal.sft_memory_fraction` of the tasks the prompt
         also carries a rehearsal memory (exact, or partly wrong so that the policy learns to
         check it; `rollout.memory`), which test-time rehearsal gives the committed run."""
-        demos = demonstrations(self.train_tasks, self.tokenizer)
+        demos = demonstrations(
+            self.train_tasks, self.tokenizer, self.config.data.failure_demos, self.config.seed
+        )
         fraction = self.config.rehearsal.sft_memory_fraction
         if fraction > 0:
             with_memory = memory_demonstrations(
@@ -463,46 +435,21 @@ class Trainer:
         return role_state(params, params)
 
     def evaluate(self, params, tasks, key) -> EvalResult:
-        """Committed execution of `tasks` in the real environment by the ACT params, and the
-        fidelity of the REHEARSE player (whoever rehearses in this mode)."""
+        """Committed execution of `tasks` in the real environment by the ACT params (greedy and
+        avg@4, `envace_jax.evaluation`), and the fidelity of the REHEARSE player (whoever
+        rehearses in this mode)."""
         self.host_sampler.set_params(self._act_params(params))
         self.rehearse_sampler.set_params(self._rehearsal_params(params))
-        e = self.config.eval
-        sampling = SamplingParams(greedy=True) if e.greedy else SamplingParams(temperature=1.0)
-        layout = parallel.row_layout(self.mesh, len(tasks))  # each process runs its tasks
-        mine = [tasks[i] for i in layout.rows]
-        results = real_env_rollouts(
+        return evaluation.evaluate(
             self.host_sampler,
+            self.rehearse_sampler,
             self.tokenizer,
-            mine,
+            tasks,
             self.make_env,
-            key=key,
-            sampling=sampling,
-            max_new_tokens=e.max_new_tokens,
-            layout=layout,
-        )
-        m = real_env_metrics(results, everywhere=True)
-        families = sorted({f for t in tasks if (f := t.metadata.get("family"))})
-        by_family = family_success(results, mine, families, everywhere=True)
-        fidelity = 0.0
-        if e.fidelity_tasks:
-            fid_tasks = tasks[: e.fidelity_tasks]
-            rb = rehearsal_rollouts(
-                self.rehearse_sampler,
-                self.tokenizer,
-                fid_tasks,
-                group_size=1,
-                key=jax.random.fold_in(key, 1),
-                sampling=sampling,
-                max_new_tokens=e.max_new_tokens,
-                length_buckets=self.config.rollout.length_buckets,
-                layout=parallel.row_layout(self.mesh, len(fid_tasks)),
-            )
-            share, compared = rehearsal_fidelity(rb.episodes, rb.tasks, self.make_env)
-            matched, compared = parallel.process_sum([share * compared, compared])
-            fidelity = float(matched / compared) if compared else 0.0
-        return EvalResult(
-            m["success"], m["reward"], m["tool_error_rate"], m["invalid_rate"], fidelity, by_family
+            self.mesh,
+            self.config.eval,
+            self.config.rollout.length_buckets,
+            key,
         )
 
     # --------------------------------------------------------------------------------- RL
@@ -545,6 +492,7 @@ class Trainer:
             range(len(self.train_tasks)), self.config.seed + 1, position=rl_start * r.tasks_per_step
         )
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p)
+        ref = (self._kl_reference(state, rl_start),) if self.steps_cfg["grpo"].use_kl else ()
         progress = Progress(f"RL {self.config.mode}", self.rl_steps, rl_start)
         last_good = start
         for rl_step in range(rl_start + 1, self.rl_steps + 1):
@@ -554,7 +502,7 @@ class Trainer:
             rb = self.rollouts(state.params, tasks, jax.random.fold_in(self.key, g), sampling)
             t1 = time.time()
             batch = self._global_batch(rb.batch, self.rl_layout, self.rl_shardings)
-            state, metrics = self.grpo_step(state, batch)
+            state, metrics = self.grpo_step(state, batch, *ref)
             m = {k: float(v) for k, v in metrics.items()}
             self._check_finite(m, "RL", g, last_good)
             m.update({f"rollout_{k}": v for k, v in rb.stats.items()})
@@ -571,6 +519,23 @@ class Trainer:
                 self._save(g, state, {**meta, "phase": "rl", "data_position": stream.position})
                 last_good = g
         return state
+
+    def _kl_reference(self, state, rl_start: int):
+        """The KL penalty's reference policy: the warm start's params (a copy of the state's at
+        the start of RL, else the copy kept in warm_start/ when the run resumes mid-RL)."""
+        if rl_start == 0:
+            return frozen_copy(self._act_params(state.params))
+        keep = self.warm_start_keep_dir
+        if not os.path.isdir(keep):
+            raise ValueError(
+                f"grpo.use_kl: resuming RL needs the warm start kept in {keep} "
+                "(config.rehearsal.keep_warm_start=True)"
+            )
+        with ckpt_lib.Checkpointer(keep, keep=1) as keeper:
+            _, params, _ = keeper.restore(
+                lambda step, meta: self._abstract_state("sft").params, step=self.sft_steps
+            )
+        return params
 
     # ------------------------------------------------------------------------------- run
 
@@ -628,26 +593,15 @@ class Trainer:
                     ("eval", "fidelity", "rehearsal fidelity (held out)"),
                 ],
             )
-        header = ["policy", "success", "reward", "tool errors", "invalid", "fidelity"]
-        keys = ["success", "reward", "tool_error_rate", "invalid_rate", "fidelity"]
         # With no RL steps the final row is the warm start evaluated again (other sample key).
         trained = f"RL ({self.config.mode})" if self.rl_steps else "final (no RL steps)"
-        summary = table(
-            [
-                ["warm start (SFT)"] + [sft_eval[k] for k in keys],
-                [trained] + [final.as_dict()[k] for k in keys],
-            ],
-            header,
-        )
-        warm_by_family = EvalResult.from_dict(sft_eval).by_family
-        if families := sorted({*warm_by_family, *final.by_family}):
-            tasks = collections.Counter(t.metadata.get("family") for t in self.eval_tasks)
-            rows = [
-                [f, tasks[f], warm_by_family.get(f, "-"), final.by_family.get(f, "-")]
-                for f in families
-            ]
-            header = ["task family", "tasks", "warm start (SFT)", trained]
-            summary += "\n\nSuccess by task family:\n\n" + table(rows, header)
+        warm = EvalResult.from_dict(sft_eval)
+        summary = summary_tables(warm, final, trained, self.eval_tasks)
+        summary_json = {
+            "tasks": len(self.eval_tasks),
+            "mode": self.config.mode,
+            **{name: summary_record(ev) for name, ev in (("warm_start", warm), ("final", final))},
+        }
         # export/ holds the acting policy; a trained REHEARSE set goes to export_rehearse/.
         exports = {"export": self._act_params(state.params)}
         if self.mode.rehearser == "separate":
@@ -660,9 +614,14 @@ class Trainer:
         if primary:
             with open(os.path.join(self.workdir, "summary.md"), "w") as f:
                 f.write(summary + "\n")
+            with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+                json.dump(summary_json, f, indent=1)
             tasks = len(self.eval_tasks)
             print(f"\nHeld-out real-environment evaluation ({tasks} tasks):\n{summary}")
-            outputs = "metrics.jsonl, tensorboard/, curves.png, summary.md, checkpoints/, export/"
+            outputs = (
+                "metrics.jsonl, tensorboard/, curves.png, summary.md, summary.json, "
+                "checkpoints/, export/"
+            )
             print(f"\nworkdir: {self.workdir} ({outputs})")
             print(f"total time {seconds:.0f}s")
         self.writer.close()
@@ -670,14 +629,59 @@ class Trainer:
         return {"sft": sft_eval, "final": final.as_dict(), "seconds": seconds}
 
 
-def _role_grpo_step(act_step, rehearse_step, state: RoleStates, batch):
+def summary_record(ev: EvalResult) -> dict[str, float]:
+    """The headline numbers of one evaluation, as summary.json keeps them."""
+    return {
+        "success_greedy": ev.success,
+        "success_greedy_se": ev.success_se,
+        "success_avg4": ev.success_avg4,
+        "success_avg4_se": ev.success_avg4_se,
+        "reward": ev.reward,
+        "fidelity": ev.fidelity,
+    }
+
+
+def summary_tables(warm: EvalResult, final: EvalResult, trained: str, tasks) -> str:
+    """summary.md: the headline table (greedy and avg@4 with their standard errors), then
+    success per task family."""
+    pm = lambda v, se: f"{v:.3f} ± {se:.3f}"
+    header = ["policy", "success (greedy)", "success (avg@4)", "reward", "tool errors"]
+    header += ["invalid", "fidelity"]
+    rows = [
+        [
+            name,
+            pm(ev.success, ev.success_se),
+            pm(ev.success_avg4, ev.success_avg4_se),
+            ev.reward,
+            ev.tool_error_rate,
+            ev.invalid_rate,
+            ev.fidelity,
+        ]
+        for name, ev in (("warm start (SFT)", warm), (trained, final))
+    ]
+    text = table(rows, header)
+    if families := sorted({*warm.by_family, *final.by_family}):
+        counts = collections.Counter(t.metadata.get("family") for t in tasks)
+        get = lambda d, f: d.get(f, "-")
+        rows = [
+            [f, counts[f], get(warm.by_family, f), get(warm.by_family_avg4, f)]
+            + [get(final.by_family, f), get(final.by_family_avg4, f)]
+            for f in families
+        ]
+        header = ["task family", "tasks", "warm start greedy", "warm start avg@4"]
+        header += [f"{trained} greedy", f"{trained} avg@4"]
+        text += "\n\nSuccess by task family:\n\n" + table(rows, header)
+    return text
+
+
+def _role_grpo_step(act_step, rehearse_step, state: RoleStates, batch, *ref):
     """One GRPO update of each role's parameter set on the same batch (a frozen REHEARSE set,
-    `rehearse_step` None, is passed through). The loss and gradient norm reported are those of
-    both sets together."""
-    act, metrics = act_step(state.act, batch)
+    `rehearse_step` None, is passed through); `ref` is the KL reference when grpo.use_kl. The
+    loss and gradient norm reported are those of both sets together."""
+    act, metrics = act_step(state.act, batch, *ref)
     rehearse = state.rehearse
     if rehearse_step is not None:
-        rehearse, m = rehearse_step(rehearse, batch)
+        rehearse, m = rehearse_step(rehearse, batch, *ref)
         for k in ("loss", "grad_norm", "entropy", "pg_clipfrac", "trained_tokens"):
             metrics[f"rehearse_params/{k}"] = m[k]
         metrics["loss"] = metrics["loss"] + m["loss"]

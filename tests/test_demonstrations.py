@@ -81,3 +81,38 @@ def test_demonstrations_are_deterministic(tokenizer, tasks):
     b = demonstrations(tasks[:10], tokenizer)
     for x, y in zip(a, b, strict=True):
         assert np.array_equal(x.ids, y.ids) and np.array_equal(x.roles, y.roles)
+
+
+def test_recovery_demonstrations_show_real_error_responses(tokenizer, tasks):
+    """With failure demos, each sequence replays in a fresh environment: every REHEARSE span is
+    what the environment answers the call of the ACT span before it, one call fails with a
+    domain error, and the episode still succeeds. All three recovered error kinds occur."""
+    demos = demonstrations(tasks, tokenizer, failure_fraction=1.0, seed=3)
+    env = DemoEnv()
+    codes = []
+    for task, demo in zip(tasks, demos, strict=True):
+        env.reset(task)
+        roles = demo.segment_roles()
+        errors = []
+        for s in range(1, demo.num_segments + 1):
+            text = tokenizer.decode(demo.ids[demo.segments == s], skip_special_tokens=False)
+            if roles[s - 1] == Role.REHEARSE:
+                responses, problem = parse_tool_responses(text, num_calls=1)
+                assert problem is None, text
+                real = env.step([call])[0]
+                assert json.loads(responses[0]) == real
+                errors += [real["error"]["code"]] if "error" in real else []
+            elif s < demo.num_segments:
+                action = parse_tool_calls(text.removesuffix("<|im_end|>"), task.tools)
+                assert action.error is None, text
+                (call,) = action.calls
+        assert len(errors) == 1 and errors[0] in ("not_found", "bad_status", "no_funds"), errors
+        assert roles == [Role.ACT, Role.REHEARSE] * (task.ground_truth["n_calls"] + 1) + [Role.ACT]
+        assert env.success(task.ground_truth["final_reply"])
+        codes += errors
+    assert set(codes) == {"not_found", "bad_status", "no_funds"}
+    # A share of the demonstrations: the rest are the plain oracle's.
+    some = demonstrations(tasks, tokenizer, failure_fraction=0.25, seed=3)
+    plain = demonstrations(tasks, tokenizer)
+    changed = sum(not np.array_equal(a.ids, b.ids) for a, b in zip(some, plain, strict=True))
+    assert 0.15 * len(tasks) < changed < 0.35 * len(tasks)

@@ -95,9 +95,15 @@ def test_outputs_and_hf_export(uninterrupted):
     probe = [r for r in rows if r["phase"] == "sft" and "heldout/rehearse_digit_acc" in r][-1]
     per_tool = {k for k in probe if k.startswith("heldout/rehearse_digit_acc/")}
     assert "heldout/rehearse_digit_acc/find_customer" in per_tool, sorted(probe)
-    headline = {"success", "reward", "tool_error_rate", "invalid_rate", "fidelity"}
+    headline = {"success", "success_se", "success_avg4", "success_avg4_se", "reward"}
+    headline |= {"tool_error_rate", "invalid_rate", "fidelity"}
     families = {k for k in out["final"] if k.startswith("success/")}
-    assert set(out["final"]) == headline | families and families
+    families_avg4 = {k for k in out["final"] if k.startswith("success_avg4/")}
+    assert set(out["final"]) == headline | families | families_avg4 and families
+    summary_json = json.loads((workdir / "summary.json").read_text())
+    for name, ev in (("warm_start", out["sft"]), ("final", out["final"])):
+        assert summary_json[name]["success_greedy"] == ev["success"]
+        assert summary_json[name]["success_avg4"] == ev["success_avg4"]
     # Per-family rates, weighted by each family's held-out task count, give the overall rate.
     summary = (workdir / "summary.md").read_text()
     assert "| RL (envace)" in summary and "no RL steps" not in summary
@@ -105,10 +111,12 @@ def test_outputs_and_hf_export(uninterrupted):
     rows = [[c.strip() for c in r] for r in rows if r and r[0].strip() not in ("task family", "")]
     rows = [r for r in rows if not r[0].startswith("---")]
     assert {f"success/{r[0]}" for r in rows} == families
-    for column, result in ((2, out["sft"]), (3, out["final"])):
+    columns = ((2, out["sft"], "success"), (3, out["sft"], "success_avg4"))
+    columns += ((4, out["final"], "success"), (5, out["final"], "success_avg4"))
+    for column, result, key in columns:
         tasks = sum(int(r[1]) for r in rows)
         weighted = sum(int(r[1]) * float(r[column]) for r in rows) / tasks
-        assert weighted == pytest.approx(result["success"], abs=1e-3)
+        assert weighted == pytest.approx(result[key], abs=1e-3)
     # The export loads in transformers and computes the same logits as the trained params.
     hf = AutoModelForCausalLM.from_pretrained(workdir / "export").eval()
     from envace_jax.models.hf_io import load_hf_model

@@ -70,6 +70,30 @@ def parse_result_text(text: str) -> ToolResult:
     return value
 
 
+def canonical(value: Any) -> str:
+    """Comparison key of a value: JSON text with integral floats as integers (JSON schema counts
+    ``55.0`` as the integer 55, and so do the environments); ``"55"`` and ``true`` stay
+    distinct."""
+    return json.dumps(_ints(value), sort_keys=True, ensure_ascii=False, default=repr)
+
+
+def _ints(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, Mapping):
+        return {k: _ints(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_ints(v) for v in value]
+    return value
+
+
+def effects_key(calls: Sequence[tuple[str, Any]]) -> list[str]:
+    """The multiset of state changes made by (name, arguments) calls that succeeded, as sorted
+    comparison keys: two call sequences whose keys are equal leave a world in the same state
+    when, as in the demo domain, the changes commute."""
+    return sorted(canonical({"name": name, "arguments": args}) for name, args in calls)
+
+
 class CallLike(Protocol):
     """What `step` reads from a tool call (`envace_jax.text` ToolCall has this shape)."""
 

@@ -6,6 +6,9 @@ environment), so rules come in two kinds:
 
 * ground truth, fixed when the task was made: ``call`` (some call has exactly these name and
   arguments) and ``reply_states`` (the final reply states these values);
+* the outcome, fixed when the task was made: ``effects`` (when the final reply is given, the
+  calls of the state-changing ``tools`` that succeeded are exactly ``calls``, as a multiset:
+  nothing missing, nothing extra);
 * consistency with the trajectory's own observations: ``arg_from`` (an argument of a call
   equals a value that an earlier result of the ``source`` tool returned) and ``reply_from``
   (the final reply states the ``key`` of the last ``source`` result).
@@ -19,6 +22,7 @@ Rule vocabulary (``ChecklistItem.rule``):
     {"kind": "arg_from", "tool": str, "arg": str, "source": str}
     {"kind": "reply_states", "values": [str, ...]}
     {"kind": "reply_from", "source": str, "key": str}
+    {"kind": "effects", "tools": [str, ...], "calls": [{"name": str, "arguments": {...}}, ...]}
 
 Each item is checked on every assistant step of its turn; the turn's verdicts are aggregated
 by the reference's checklist semantics (see `envace_jax.rewards.checklist`): an item passes
@@ -33,10 +37,17 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from envace_jax.envs.base import error_code, is_call_error, observed_values, parse_result_text
+from envace_jax.envs.base import (
+    canonical,
+    effects_key,
+    error_code,
+    is_call_error,
+    observed_values,
+    parse_result_text,
+)
 from envace_jax.rewards.checklist import aggregate, score_turn
 
-RULE_KINDS = ("call", "arg_from", "reply_states", "reply_from")
+RULE_KINDS = ("call", "arg_from", "reply_states", "reply_from", "effects")
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 
 
@@ -113,22 +124,6 @@ def split_turns(messages: Sequence[Mapping[str, Any]]) -> list[list[Step]]:
     return turns
 
 
-def _canon(value: Any) -> str:
-    """Comparison key: JSON text with integral floats as integers (JSON schema counts ``55.0``
-    as the integer 55, and so do the environments); ``"55"`` and ``true`` stay distinct."""
-    return json.dumps(_ints(value), sort_keys=True, ensure_ascii=False, default=repr)
-
-
-def _ints(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, Mapping):
-        return {k: _ints(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_ints(v) for v in value]
-    return value
-
-
 def states_value(text: str, value: Any) -> bool:
     """Whether `text` states `value` as a whole word."""
     return re.search(rf"(?<!\w){re.escape(str(value))}(?!\w)", text) is not None
@@ -148,15 +143,15 @@ def check_rule(rule: Mapping[str, Any], step: Step, history: Sequence[Call]) -> 
     trajectory (`history`, with results) for the consistency kinds."""
     kind = rule.get("kind")
     if kind == "call":
-        want = _canon(rule["args"])
-        return any(c.name == rule["tool"] and _canon(c.arguments) == want for c in step.calls)
+        want = canonical(rule["args"])
+        return any(c.name == rule["tool"] and canonical(c.arguments) == want for c in step.calls)
     if kind == "arg_from":
-        seen = {_canon(v) for v in _observed(history, rule["source"])}
+        seen = {canonical(v) for v in _observed(history, rule["source"])}
         return any(
             c.name == rule["tool"]
             and isinstance(c.arguments, Mapping)
             and rule["arg"] in c.arguments
-            and _canon(c.arguments[rule["arg"]]) in seen
+            and canonical(c.arguments[rule["arg"]]) in seen
             for c in step.calls
         )
     if kind == "reply_states":
@@ -173,6 +168,16 @@ def check_rule(rule: Mapping[str, Any], step: Step, history: Sequence[Call]) -> 
             and rule["key"] in c.result
         ]
         return bool(last) and states_value(step.reply, last[-1])
+    if kind == "effects":
+        if step.reply is None:
+            return False
+        made = [
+            (c.name, c.arguments)
+            for c in history
+            if c.name in rule["tools"] and c.result is not None and error_code(c.result) is None
+        ]
+        want = [(c["name"], c["arguments"]) for c in rule["calls"]]
+        return effects_key(made) == effects_key(want)
     raise ValueError(f"unknown rule kind {kind!r}; expected one of {RULE_KINDS}")
 
 

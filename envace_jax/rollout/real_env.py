@@ -3,8 +3,9 @@
 Committed execution: the policy decodes until an ACT message with tool calls ends; the loop
 pauses that row, the host parses the calls and executes them in the row's environment, and the
 observation is appended on top of the KV cache (never re-prefilling the history) as CONTEXT.
-The episode is scored by the environment's own success test (final state and final reply) and
-by the rule judge.
+The episode is scored by the environment's own success test (final state and final reply; an
+episode with a call error fails, as the checklist's semantics end it there) and by the rule
+judge.
 
 Multi-host (`layout`): each process steps the environments of its own rows only; the sampler
 runs on the global batch, and the processes agree on when to resume and when every row is done.
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from envace_jax import parallel
-from envace_jax.envs.base import error_code, result_text
+from envace_jax.envs.base import error_code, is_call_error, result_text
 from envace_jax.rewards.rule_judge import judge
 from envace_jax.rl.batch import STATUS_INVALID
 from envace_jax.rollout.episodes import Episode, build_episode, response_matches
@@ -106,6 +107,7 @@ def real_env_trajectories(
         env.reset(task)
     observations: list[list[list[str]]] = [[] for _ in tasks]
     call_errors = [0] * len(tasks)
+    invalid_calls = [False] * len(tasks)
     state = sampler.start(
         list(prompts or default_prompts),
         key=key,
@@ -128,6 +130,7 @@ def real_env_trajectories(
                 continue
             results = envs[b].step(action.calls)
             call_errors[b] += sum(error_code(r) is not None for r in results)
+            invalid_calls[b] |= any(is_call_error(r) for r in results)
             texts = [result_text(r) for r in results]
             observations[b].append(texts)
             obs[b] = observation_ids(tokenizer, texts)
@@ -153,7 +156,9 @@ def real_env_trajectories(
             int(out.status[b]),
             observations=observations[b],
         )
-        ok = ep.status != STATUS_INVALID and ep.final_reply is not None
+        # A call error (unknown tool, arguments off the schema) fails the episode, as the
+        # checklist's semantics end it there; domain errors (not_found, ...) do not.
+        ok = ep.status != STATUS_INVALID and ep.final_reply is not None and not invalid_calls[b]
         success = bool(ok and envs[b].success(ep.final_reply))
         results.append(
             RealEpisode(

@@ -7,8 +7,16 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from envace_jax.envs.base import BAD_ARGS, UNKNOWN_TOOL, CallLike, ToolResult, tool_error
-from envace_jax.envs.demo.tools import execute
+from envace_jax.envs.base import (
+    BAD_ARGS,
+    UNKNOWN_TOOL,
+    CallLike,
+    ToolResult,
+    effects_key,
+    error_code,
+    tool_error,
+)
+from envace_jax.envs.demo.tools import STATE_CHANGING, execute
 from envace_jax.envs.demo.world import World, copy_world
 
 
@@ -44,8 +52,9 @@ class DemoEnv:
     """The demo shop/bank world for one task at a time.
 
     `reset(task)` loads ``task.ground_truth["initial_state"]``; `step` executes calls against
-    that copy only; `success` compares the world with ``ground_truth["final_state"]`` and looks
-    for every ``ground_truth["reply_facts"]`` value in the final reply. Only the task's own
+    that copy only; `success` compares the world with ``ground_truth["final_state"]``, checks
+    that the changes that succeeded are the solution's (no extra ones that happen to cancel
+    out), and looks for every ``ground_truth["reply_facts"]`` value in the final reply. Only the task's own
     tools (``task.tools``) can be called.
     """
 
@@ -55,6 +64,7 @@ class DemoEnv:
         self._tools: tuple[str, ...] = ()
         self._gt: Mapping[str, Any] = {}
         self._n_calls = 0
+        self._changes: list[tuple[str, Any]] = []
 
     def reset(self, task: Any) -> None:
         self._gt = _ground_truth(task)
@@ -62,6 +72,7 @@ class DemoEnv:
         self._tools = _tool_names(task)
         self._world = copy_world(self._gt["initial_state"])
         self._n_calls = 0
+        self._changes: list[tuple[str, Any]] = []  # state-changing calls that succeeded
 
     def _require_reset(self) -> World:
         if self._world is None:
@@ -88,7 +99,10 @@ class DemoEnv:
                 args = json.loads(args)
             except ValueError:
                 return tool_error(BAD_ARGS, f"{name}: arguments are not JSON")
-        return execute(world, name, args)
+        result = execute(world, name, args)
+        if name in STATE_CHANGING and error_code(result) is None:
+            self._changes.append((name, args))
+        return result
 
     def state(self) -> dict[str, Any]:
         world = self._require_reset()
@@ -98,6 +112,11 @@ class DemoEnv:
         world = self._require_reset()
         if world != self._gt["final_state"]:
             return False
+        solution = self._gt.get("solution")
+        if solution is not None:  # the goal reached by the requested changes only
+            wanted = [(c["name"], c["arguments"]) for c in solution if c["name"] in STATE_CHANGING]
+            if effects_key(self._changes) != effects_key(wanted):
+                return False
         return isinstance(final_reply, str) and all(
             states_fact(final_reply, f) for f in self._gt["reply_facts"]
         )

@@ -7,11 +7,19 @@ templated final reply. Its conversation is the task's reference conversation.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from envace_jax.envs.base import ToolResult, result_text
+from envace_jax.envs.base import ToolResult, error_code, result_text
 from envace_jax.envs.demo.env import DemoEnv
+from envace_jax.envs.demo.tools import execute
+from envace_jax.envs.demo.world import OPEN, SHIPPED, World, copy_world, find
+
+# Domain errors a recovery demonstration shows: an unknown id, an order in the wrong status, an
+# amount over the balance.
+RECOVERED_ERRORS = ("not_found", "bad_status", "no_funds")
+_ID_PREFIXES = ("M", "C", "A", "O")
 
 if TYPE_CHECKING:
     from envace_jax.text.trajectory import EncodedConversation
@@ -56,19 +64,75 @@ def oracle_messages(task: Any, env: DemoEnv | None = None) -> list[dict[str, Any
     return conversation(task.messages, gt["solution"], results, gt["final_reply"])
 
 
-def demonstrations(tasks: Sequence[Any], tokenizer) -> list[EncodedConversation]:
+def _wrong_calls(rng: random.Random, world: World, call: dict[str, Any]) -> list[dict]:
+    """Variants of `call` that `world` may refuse with a domain error: an id that does not
+    exist, an order in the wrong status for the tool, an amount over the payer's balance."""
+    name, args = call["name"], call["arguments"]
+    out = []
+    for key, value in args.items():
+        if isinstance(value, str) and value[:1] in _ID_PREFIXES:
+            text = str(world)
+            free = [f"{value[0]}{n}" for n in range(1, 10) if f"'{value[0]}{n}'" not in text]
+            if free:
+                out.append({"name": name, "arguments": {**args, key: rng.choice(free)}})
+    if name in ("cancel_order", "refund"):
+        need = OPEN if name == "cancel_order" else SHIPPED
+        for o in world["orders"]:
+            if o["status"] != need:
+                out.append({"name": name, "arguments": {"order_id": o["id"]}})
+    if name == "transfer" and (payer := find(world, "accounts", id=args["from_id"])):
+        amount = payer["balance"] + rng.randint(1, 20)
+        out.append({"name": name, "arguments": {**args, "amount": amount}})
+    return out
+
+
+def recovery_messages(task: Any, rng: random.Random, env: DemoEnv | None = None):
+    """The oracle conversation of `task` with one failing call before one of its solution
+    calls: a wrong variant of that call (`_wrong_calls`) that the real environment refuses with
+    one of `RECOVERED_ERRORS`, its error response, then the right call and the rest. None when
+    no variant fails that way."""
+    env = env or DemoEnv()
+    solution = task.ground_truth["solution"]
+    at = rng.randrange(len(solution))
+    env.reset(task)
+    results = [env.step([c])[0] for c in solution[:at]]
+    world = env.state()["world"]
+    by_code: dict[str, list[dict]] = {}
+    for c in _wrong_calls(rng, world, solution[at]):
+        code = error_code(execute(copy_world(world), c["name"], c["arguments"]))
+        if code in RECOVERED_ERRORS:
+            by_code.setdefault(code, []).append(c)
+    if not by_code:
+        return None
+    wrong = rng.choice(by_code[rng.choice(sorted(by_code))])  # each error kind equally often
+    results.append(env.step([wrong])[0])  # the environment's own error response
+    results += [env.step([c])[0] for c in solution[at:]]
+    calls = [*solution[:at], wrong, *solution[at:]]
+    return conversation(task.messages, calls, results, task.ground_truth["final_reply"])
+
+
+def demonstrations(
+    tasks: Sequence[Any], tokenizer, failure_fraction: float = 0.0, seed: int = 0
+) -> list[EncodedConversation]:
     """Warm-start SFT sequences: each task's oracle conversation encoded as one role-tagged
     token sequence (`EncodedConversation`: ids/roles/segments, each [T]). Assistant messages
     are ACT targets and the real environment's responses REHEARSE targets, so a policy learns
-    both to act and to predict what the world answers."""
+    both to act and to predict what the world answers. A share `failure_fraction` of them (drawn
+    from `seed`) shows a failing call, its real error response and the recovery
+    (`recovery_messages`), so that both roles see what a failure looks like."""
     # Imported here: the environment itself needs no tokenizer machinery.
     from envace_jax.text.trajectory import encode_conversation
 
     env = DemoEnv()
-    return [
-        encode_conversation(tokenizer, oracle_messages(t, env), t.template_tools, rehearse=True)
-        for t in tasks
-    ]
+    out = []
+    for i, t in enumerate(tasks):
+        rng = random.Random(f"{seed}-{i}-recovery")
+        messages = None
+        if rng.random() < failure_fraction:
+            messages = recovery_messages(t, rng, env)
+        messages = messages or oracle_messages(t, env)
+        out.append(encode_conversation(tokenizer, messages, t.template_tools, rehearse=True))
+    return out
 
 
 def response_tools(tasks: Sequence[Any]) -> list[list[str]]:

@@ -54,13 +54,20 @@ from envace_jax.envs.demo.world import (
 
 SPLITS = ("train", "validation", "test")
 MAX_TASKS_PER_SEED = 1_000_003
+# Amounts a user asks to move are one digit, copied like an id's digit: a policy of about a
+# million parameters copies two-digit numbers from the user's message rarely (balances and
+# prices in tool results stay two-digit: those it reads and states).
+MAX_AMOUNT = 9
 EXTRA_TOOLS = 1  # distractor tools offered next to the ones a task's solution uses
 SYSTEM_PROMPT = (
     "Shop assistant: use the tools, take ids from tool results, reply with the result.\n"
     "Errors: unknown id not_found, wrong status bad_status, over balance no_funds.\n"
 )
-# Raw checklist weights (normalised to sum to 1 per turn): outcome items weigh more.
-W_ACT_CALL, W_LOOKUP_CALL, W_CONSISTENT, W_REPLY, W_REPLY_CONSISTENT = 2.0, 1.0, 1.0, 2.0, 1.0
+# Raw checklist weights of the progress items (normalised with the outcome items to sum to 1
+# per turn). Each of the two outcome items (`effects`, `reply_states`) weighs one more than all
+# progress items together, so a trajectory that passes both (a success) scores above every
+# trajectory that fails one (`_checklist`).
+W_ACT_CALL, W_LOOKUP_CALL, W_CONSISTENT, W_REPLY_CONSISTENT = 2.0, 1.0, 1.0, 1.0
 
 
 def _call(tool: str, sources: dict[str, int] | None = None, /, **arguments: Any) -> dict[str, Any]:
@@ -119,7 +126,7 @@ def _settle_one(rng, world, status, tool, verb, done):
 def _transfer(rng, world):
     a = rng.choice([a for a in world["accounts"] if a["balance"] >= 10])
     to = _other_account(rng, world, a["id"])
-    amount = rng.randint(1, a["balance"])
+    amount = rng.randint(1, min(MAX_AMOUNT, a["balance"]))
     return (
         f"Send {amount} from account {a['id']} to account {to}.",
         [_call("transfer", from_id=a["id"], to_id=to, amount=amount)],
@@ -156,7 +163,7 @@ def _pay_by_member(rng, world):
     if c is None:
         return None
     to = _other_account(rng, world, c["account"])
-    amount = rng.randint(1, _balance(world, c["account"]))
+    amount = rng.randint(1, min(MAX_AMOUNT, _balance(world, c["account"])))
     return (
         f"I am member {c['member']}. Send {amount} to account {to}.",
         [
@@ -228,7 +235,7 @@ def _pay_member_to_member(rng, world):
     if c is None:
         return None
     d = rng.choice([x for x in world["customers"] if x is not c])
-    amount = rng.randint(1, _balance(world, c["account"]))
+    amount = rng.randint(1, min(MAX_AMOUNT, _balance(world, c["account"])))
     return (
         f"I am member {c['member']}. Send {amount} to member {d['member']}.",
         [
@@ -254,7 +261,7 @@ def _cancel_and_pay(rng, world):
         return None
     o = rng.choice(_unique_item_orders(world, c["id"], OPEN))
     to = _other_account(rng, world, c["account"])
-    amount = rng.randint(1, _balance(world, c["account"]) + o["price"])
+    amount = rng.randint(1, min(MAX_AMOUNT, _balance(world, c["account"]) + o["price"]))
     return (
         f"I am member {c['member']}. Cancel my {o['item']} order, then send {amount} to "
         f"account {to}.",
@@ -432,8 +439,9 @@ def make_task(
 
 
 def _checklist(solution, calls, reply_source, fact, reference) -> list[dict]:
-    """Rule items: the ground truth (each solution call, the final reply's value) and the
-    trajectory's consistency with its own observations (ids and values taken from results)."""
+    """Rule items: progress (each solution call, and the trajectory's consistency with its own
+    observations: ids and values taken from results), then the outcome (exactly the solution's
+    changes, and the final reply's value), weighted so that the outcome ranks first."""
     raw: list[tuple[float, str, str, str, dict]] = []
     final_reply = reference[-1]["content"]
     for sol, call in zip(solution, calls, strict=True):
@@ -460,15 +468,6 @@ def _checklist(solution, calls, reply_source, fact, reference) -> list[dict]:
                     {"kind": "arg_from", "tool": name, "arg": arg, "source": src},
                 )
             )
-    raw.append(
-        (
-            W_REPLY,
-            f"Does the final reply state {fact}?",
-            "assistant.content.user_visible_reply",
-            f"The final reply states the value {fact}.",
-            {"kind": "reply_states", "values": [fact]},
-        )
-    )
     src, key = reply_source
     raw.append(
         (
@@ -477,6 +476,27 @@ def _checklist(solution, calls, reply_source, fact, reference) -> list[dict]:
             "assistant.content.user_visible_reply",
             f"The final reply states the {key} of the last {src} result.",
             {"kind": "reply_from", "source": src, "key": key},
+        )
+    )
+    outcome = sum(r[0] for r in raw) + 1.0
+    changes = [c for c in calls if c["name"] in STATE_CHANGING]
+    text = ", ".join(f"{c['name']}({json.dumps(c['arguments'])})" for c in changes)
+    raw.append(
+        (
+            outcome,
+            f"Are the changes made exactly {text}?",
+            "assistant.tool_calls",
+            f"By the final reply, the state-changing calls that succeeded are exactly {text}.",
+            {"kind": "effects", "tools": sorted(STATE_CHANGING), "calls": changes},
+        )
+    )
+    raw.append(
+        (
+            outcome,
+            f"Does the final reply state {fact}?",
+            "assistant.content.user_visible_reply",
+            f"The final reply states the value {fact}.",
+            {"kind": "reply_states", "values": [fact]},
         )
     )
     total = sum(r[0] for r in raw)
@@ -501,4 +521,6 @@ def _evidence(rule: dict, final_reply: str) -> str:
         return json.dumps({"name": rule["tool"], "arguments": rule["args"]})
     if rule["kind"] == "arg_from":
         return f"{rule['tool']}.{rule['arg']} comes from a {rule['source']} result"
+    if rule["kind"] == "effects":
+        return json.dumps(rule["calls"])
     return final_reply

@@ -1,0 +1,243 @@
+"""Held-out evaluation in the real environment: the reference's protocol, and headroom.
+
+Every policy is scored the same way, whatever trained it:
+
+* **greedy**: one committed execution per task, decoded greedily;
+* **avg@4**: the mean success of `AVG_SAMPLES` sampled executions per task (the reference's
+  validation setting, T=0.6, top_p=0.95: `config.eval.temperature` / `eval.top_p`), each run
+  keyed by ``fold_in(key, s)``, so it is the mean of four seeded sampled evaluations;
+* the standard error of each over the n tasks, ``sqrt(mean((s_i - mean)^2) / n)`` of the
+  per-task successes s_i: for greedy, whose s_i are 0 or 1, the binomial ``sqrt(p (1 - p) / n)``;
+* rehearsal fidelity of whoever rehearses.
+
+`headroom` answers whether RL *can* move success before any RL runs: per task family, greedy
+success, sampled pass@1 (mean success of k samples) and pass@k (any of k succeeds), at the
+sampling setting of the RL rollouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from envace_jax import parallel
+from envace_jax.rollout.real_env import (
+    RealEpisode,
+    real_env_metrics,
+    real_env_rollouts,
+    rehearsal_fidelity,
+)
+from envace_jax.rollout.world_rehearsal import rehearsal_rollouts
+from envace_jax.sampling.distributions import SamplingParams
+
+AVG_SAMPLES = 4  # Sampled executions per task of the avg@4 score.
+
+
+def _pooled(per_task: np.ndarray, everywhere: bool) -> tuple[float, float]:
+    """Mean and standard error of per-task scores, over every process's tasks when
+    `everywhere` (a collective)."""
+    sums = np.asarray([per_task.size, per_task.sum(), (per_task**2).sum()], np.float64)
+    if everywhere:
+        sums = parallel.process_sum(sums)
+    n, s, ss = sums
+    if n == 0:
+        return 0.0, 0.0
+    mean = s / n
+    var = max(ss / n - mean**2, 0.0)  # of the per-task scores; binomial p (1 - p) for 0/1
+    return float(mean), float(math.sqrt(var / n))
+
+
+def families_of(tasks: Sequence[Any]) -> list[str]:
+    """The task families (`task.metadata['family']`) present in `tasks`, sorted."""
+    return sorted({f for t in tasks if (f := t.metadata.get("family"))})
+
+
+def _by_family(
+    per_task: np.ndarray, mine: Sequence[Any], families: Sequence[str], everywhere: bool
+) -> dict[str, float]:
+    """Mean per-task score per family, over this process's tasks `mine` (every process's
+    when `everywhere`, a collective: `families` must then be the same list on all)."""
+    index = {f: i for i, f in enumerate(families)}
+    sums = np.zeros((2, len(families)))
+    for v, task in zip(per_task, mine, strict=True):
+        i = index.get(task.metadata.get("family"))
+        if i is not None:
+            sums[:, i] += (1, v)
+    if everywhere:
+        sums = parallel.process_sum(sums)
+    return {f: float(sums[1, i] / sums[0, i]) for f, i in index.items() if sums[0, i]}
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """One held-out evaluation. `success`, `reward`, `tool_error_rate` and `invalid_rate` are
+    the greedy run's; `success_avg4` the avg@4 score; `*_se` standard errors over tasks."""
+
+    success: float
+    success_se: float
+    success_avg4: float
+    success_avg4_se: float
+    reward: float
+    tool_error_rate: float
+    invalid_rate: float
+    fidelity: float
+    # Success per task family (tasks whose metadata name one), written as `success/<family>`
+    # (greedy) and `success_avg4/<family>`.
+    by_family: dict[str, float] = dataclasses.field(default_factory=dict)
+    by_family_avg4: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def headline(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in _HEADLINE}
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat scalars (metrics.jsonl, TensorBoard, checkpoint metadata)."""
+        out = dict(self.headline())
+        out.update({f"success/{f}": v for f, v in self.by_family.items()})
+        out.update({f"success_avg4/{f}": v for f, v in self.by_family_avg4.items()})
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> EvalResult:
+        fams = lambda prefix: {
+            k.split("/", 1)[1]: v for k, v in d.items() if k.startswith(prefix + "/")
+        }
+        return cls(
+            **{k: d.get(k, 0.0) for k in _HEADLINE},
+            by_family=fams("success"),
+            by_family_avg4=fams("success_avg4"),
+        )
+
+
+_HEADLINE = tuple(
+    f.name for f in dataclasses.fields(EvalResult) if not f.name.startswith("by_family")
+)
+
+
+def committed_runs(
+    sampler, tokenizer, tasks, make_env, mesh, *, key, sampling, max_new_tokens
+) -> list[RealEpisode]:
+    """One committed execution of each of `tasks` (this process's rows of them on a multi-host
+    mesh; every process calls this together)."""
+    layout = parallel.row_layout(mesh, len(tasks))
+    mine = [tasks[i] for i in layout.rows]
+    return real_env_rollouts(
+        sampler,
+        tokenizer,
+        mine,
+        make_env,
+        key=key,
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        layout=layout,
+    )
+
+
+def evaluate(
+    host_sampler,
+    rehearse_sampler,
+    tokenizer,
+    tasks: Sequence[Any],
+    make_env: Callable[[], Any],
+    mesh,
+    eval_cfg,
+    length_buckets: Sequence[int],
+    key: jax.Array,
+) -> EvalResult:
+    """The protocol of the module docstring. The samplers hold the params to evaluate."""
+    layout = parallel.row_layout(mesh, len(tasks))
+    mine = [tasks[i] for i in layout.rows]
+    run = lambda k, sampling: committed_runs(
+        host_sampler,
+        tokenizer,
+        tasks,
+        make_env,
+        mesh,
+        key=k,
+        sampling=sampling,
+        max_new_tokens=eval_cfg.max_new_tokens,
+    )
+    greedy = run(key, SamplingParams(greedy=True))
+    sampled = SamplingParams(temperature=eval_cfg.temperature, top_p=eval_cfg.top_p)
+    per_sample = [run(jax.random.fold_in(key, 1 + s), sampled) for s in range(AVG_SAMPLES)]
+    greedy_ok = np.asarray([r.success for r in greedy], np.float64)
+    avg_ok = np.mean([[r.success for r in rs] for rs in per_sample], axis=0).astype(np.float64)
+    m = real_env_metrics(greedy, everywhere=True)
+    success, success_se = _pooled(greedy_ok, everywhere=True)
+    avg4, avg4_se = _pooled(avg_ok, everywhere=True)
+    fidelity = 0.0
+    if eval_cfg.fidelity_tasks:
+        fid_tasks = tasks[: eval_cfg.fidelity_tasks]
+        rb = rehearsal_rollouts(
+            rehearse_sampler,
+            tokenizer,
+            fid_tasks,
+            group_size=1,
+            key=jax.random.fold_in(key, 2**20),
+            sampling=SamplingParams(greedy=True),
+            max_new_tokens=eval_cfg.max_new_tokens,
+            length_buckets=length_buckets,
+            layout=parallel.row_layout(mesh, len(fid_tasks)),
+        )
+        share, compared = rehearsal_fidelity(rb.episodes, rb.tasks, make_env)
+        matched, compared = parallel.process_sum([share * compared, compared])
+        fidelity = float(matched / compared) if compared else 0.0
+    return EvalResult(
+        success=success,
+        success_se=success_se,
+        success_avg4=avg4,
+        success_avg4_se=avg4_se,
+        reward=m["reward"],
+        tool_error_rate=m["tool_error_rate"],
+        invalid_rate=m["invalid_rate"],
+        fidelity=fidelity,
+        by_family=_by_family(greedy_ok, mine, families_of(tasks), everywhere=True),
+        by_family_avg4=_by_family(avg_ok, mine, families_of(tasks), everywhere=True),
+    )
+
+
+def headroom(
+    host_sampler,
+    tokenizer,
+    tasks: Sequence[Any],
+    make_env: Callable[[], Any],
+    mesh,
+    *,
+    key: jax.Array,
+    sampling: SamplingParams,
+    samples: int,
+    max_new_tokens: int,
+) -> dict[str, dict[str, float]]:
+    """{family or 'all': {'tasks', 'greedy', 'pass@1', 'pass@k'}}: greedy success, and the
+    mean and the any-of success of `samples` sampled executions per task."""
+    layout = parallel.row_layout(mesh, len(tasks))
+    mine = [tasks[i] for i in layout.rows]
+    run = lambda k, sp: committed_runs(
+        host_sampler,
+        tokenizer,
+        tasks,
+        make_env,
+        mesh,
+        key=k,
+        sampling=sp,
+        max_new_tokens=max_new_tokens,
+    )
+    greedy = np.asarray([r.success for r in run(key, SamplingParams(greedy=True))], np.float64)
+    ok = np.asarray(
+        [[r.success for r in run(jax.random.fold_in(key, 1 + s), sampling)] for s in range(samples)],
+        np.float64,
+    )
+    scores = {"greedy": greedy, "pass@1": ok.mean(axis=0), "pass@k": ok.max(axis=0)}
+    families = families_of(tasks)
+    per_family = {name: _by_family(v, mine, families, everywhere=True) for name, v in scores.items()}
+    out = {
+        f: {"tasks": sum(t.metadata.get("family") == f for t in tasks)}
+        | {name: per_family[name][f] for name in scores}
+        for f in families
+    }
+    out["all"] = {"tasks": len(tasks)} | {n: _pooled(v, True)[0] for n, v in scores.items()}
+    return out

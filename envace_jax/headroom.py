@@ -1,0 +1,91 @@
+"""Headroom of a trained workdir's policies: can RL move held-out success at all?
+
+    python -m envace_jax.main --config configs/demo.py:headroom --workdir workdir/demo
+
+Run on a train job's workdir (or `--config.rehearsal.checkpoint_dir=<its workdir>`). For the
+warm-start policy and, when RL ran, the latest checkpoint's, on the held-out tasks the train
+job evaluates (`data.eval_tasks`, validation split, the job's seed): greedy success, and sampled
+pass@1 and pass@k (`eval.pass_k` samples per task at the RL rollouts' `rollout.temperature` and
+`rollout.top_p`), overall and per task family. GRPO learns only from groups whose rewards
+differ, so a family whose pass@k is 0 gives it nothing to reinforce, and pass@k - greedy bounds
+what sharpening the sampled policy can add. Writes `headroom.md` and `headroom.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import ml_collections
+from flax import nnx
+
+from envace_jax.build import build_mesh, build_model, build_tokenizer
+from envace_jax.envs.demo import DemoEnv, generate_tasks
+from envace_jax.evaluation import headroom
+from envace_jax.metrics import table
+from envace_jax.rehearsal_eval import load_policies
+from envace_jax.sampling.chat_spec import turn_spec
+from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.sampling.sampler import Sampler
+
+
+def headroom_table(by_policy: dict[str, dict[str, dict[str, float]]], k: int) -> str:
+    """One row per (task family, policy): tasks, greedy, pass@1, pass@k, pass@k - greedy."""
+    rows = []
+    for name, result in by_policy.items():
+        for family, r in sorted(result.items(), key=lambda kv: (kv[0] == "all", kv[0])):
+            gap = r["pass@k"] - r["greedy"]
+            rows.append([family, name, r["tasks"], r["greedy"], r["pass@1"], r["pass@k"], gap])
+    header = ["task family", "policy", "tasks", "greedy", "pass@1", f"pass@{k}", "gap"]
+    return table(rows, header)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    t0 = time.time()
+    mesh = build_mesh(config)
+    tokenizer = build_tokenizer(config)
+    model = build_model(config, tokenizer, mesh)
+    params = nnx.state(model, nnx.Param)
+    policies, info = load_policies(config, workdir, params, mesh)
+    chosen = {"warm start": policies["warm-start"]}
+    if info["trained_step"] != info["warm_start_step"]:
+        chosen[f"step {info['trained_step']}"] = policies["EnvACE"]
+    r = config.rollout
+    spec = turn_spec(
+        tokenizer, mode="host", max_turns=r.max_turns, max_message_tokens=r.max_message_tokens
+    )
+    sampler = Sampler(model, spec, pad_id=tokenizer.pad_token_id)
+    tasks = generate_tasks(config.seed, config.data.eval_tasks, split="validation")
+    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p)
+    k = config.eval.pass_k
+    key = jax.random.fold_in(jax.random.key(config.seed), 7)
+    by_policy = {}
+    for name, p in chosen.items():
+        print(f"[headroom] {name}: {len(tasks)} tasks, greedy + {k} samples each", flush=True)
+        sampler.set_params(p)
+        by_policy[name] = headroom(
+            sampler,
+            tokenizer,
+            tasks,
+            DemoEnv,
+            mesh,
+            key=key,
+            sampling=sampling,
+            samples=k,
+            max_new_tokens=config.eval.max_new_tokens,
+        )
+    text = headroom_table(by_policy, k)
+    note = (
+        f"Held-out tasks: {len(tasks)} (validation split, seed {config.seed}); sampled at "
+        f"temperature {r.temperature}, top_p {r.top_p}; gap = pass@{k} - greedy."
+    )
+    with open(os.path.join(workdir, "headroom.md"), "w") as f:
+        f.write(f"{note}\n\n{text}\n")
+    out = {"info": info, "pass_k": k, "temperature": r.temperature, "policies": by_policy}
+    with open(os.path.join(workdir, "headroom.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"\n{note}\n\n{text}\n\nwrote {workdir}/headroom.md, headroom.json")
+    print(f"total time {time.time() - t0:.0f}s")
+    return out
