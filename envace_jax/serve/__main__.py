@@ -5,6 +5,9 @@ tokenizer files with a Qwen3-layout chat template). The server binds 127.0.0.1 u
 otherwise; `--port 0` picks a free port, and `--port-file F` writes the bound port to F once the
 server accepts requests. SIGINT / SIGTERM shut down gracefully: no new connections, running
 requests finish (up to `--graceful-timeout` seconds), then the engine stops.
+
+The API key is best passed as `$ENVACE_API_KEY`: a `--api-key` argument is visible to every
+user of the machine in `ps`.
 """
 
 from __future__ import annotations
@@ -105,7 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--api-key",
         default=os.environ.get("ENVACE_API_KEY"),
-        help="require Authorization: Bearer KEY (default: $ENVACE_API_KEY; none: open)",
+        help="require Authorization: Bearer KEY (default: $ENVACE_API_KEY, the better way: an "
+        "argument shows in ps; none: open)",
     )
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="body size limit")
     p.add_argument("--param-dtype", default=None, choices=("float32", "bfloat16"))

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from envace_jax.sampling.distributions import SamplingParams
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 
@@ -56,12 +58,14 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 # Requests
 
 
+# Types are strict, as OpenAI's are: "2" is not an n, nor "yes" a stream flag (an int is still a
+# float). A client that sends them has a bug that a silent conversion would hide.
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class FunctionDef(_Strict):
@@ -156,6 +160,15 @@ class _Sampling(_Strict):
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must be non-empty")
         return v
+
+    def sampling_params(self) -> SamplingParams:
+        """The sampler's settings: OpenAI's defaults, and temperature 0 as greedy."""
+        t = 1.0 if self.temperature is None else self.temperature
+        if t == 0:
+            return SamplingParams(greedy=True)
+        top_k = 0 if self.top_k in (None, -1) else self.top_k
+        top_p = 1.0 if self.top_p is None else self.top_p
+        return SamplingParams(temperature=t, top_k=top_k, top_p=top_p)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
