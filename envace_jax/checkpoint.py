@@ -28,7 +28,13 @@ later `save()`, or a synchronous save), so every process sees the same list.
 Resuming from an older step. When `save(step)` finds checkpoints at or after `step` (the run
 went back to an older checkpoint, e.g. because the newest one was corrupt), it moves them to
 `<dir>/superseded/` with a warning: they belong to the abandoned run, and left in place they
-would block this save and shadow its checkpoints.
+would block this save and shadow its checkpoints. A step directory this process cannot read
+(e.g. permissions) is never read or moved: it is renamed where it is, to `<step>.unreadable`,
+and the warning names it.
+
+Failed async saves. A background write that fails (e.g. out of disk) is raised as
+CheckpointError by `check()`, which never waits for a running write (the trainer calls it at
+every step boundary), and at the latest by the next `save()` or `wait()`.
 
 Multi-host. Every process calls every method at the same point (Orbax synchronises them).
 Orbax's barriers then go through the jax.distributed client rather than Orbax's default device
@@ -43,24 +49,45 @@ that raises `CheckpointError` rather than risk processes restoring different ste
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import re
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from envace_jax.checkpoint_integrity import (
+    abstract_tree,
+    describe,
+    integrity_item,
+    json_problem,
+    layout_problem,
+    state_leaves,
+)
+
 log = logging.getLogger(__name__)
 
 SUPERSEDED = "superseded"  # subdirectory for checkpoints of an abandoned run
-_INTEGRITY_VERSION = 1
 
 AbstractState = Any | Callable[[int, dict], Any]
+
+
+# Checkpointers not yet closed, closed at interpreter exit (a run stopped by an exception does
+# not reach its close()).
+_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_checkpointers() -> None:
+    for ckpt in list(_OPEN):
+        ckpt._close_at_exit()
 
 
 class CheckpointError(RuntimeError):
@@ -93,6 +120,7 @@ class Checkpointer:
         self._visible: list[int] = []  # what all_steps() shows while it is pending
         self._saved_once = False
         self._barriers = 0
+        _OPEN.add(self)
 
     # ------------------------------------------------------------------------------ save
 
@@ -107,8 +135,8 @@ class Checkpointer:
         if not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"checkpoint step: expected a non-negative integer, got {step!r}")
         step = int(step)
-        leaves = _state_leaves(state)
-        problem = _json_problem(meta, "meta")
+        leaves = state_leaves(state)
+        problem = json_problem(meta, "meta")
         if not isinstance(meta, dict):
             problem = f"meta: expected a dict, got {type(meta).__name__}"
         if problem:
@@ -116,17 +144,20 @@ class Checkpointer:
         self.wait()
         self._make_room(step)
         # Checksums first: they must describe exactly the values handed to Orbax.
-        integrity = {"version": _INTEGRITY_VERSION, "leaves": _describe(leaves)}
+        integrity = integrity_item(leaves)
         visible = self.all_steps()
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave(meta),
-                integrity=ocp.args.JsonSave(integrity),
-            ),
-            force=True,  # the caller decides when to save; never skip by Orbax's interval policy
-        )
+        try:
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    meta=ocp.args.JsonSave(meta),
+                    integrity=ocp.args.JsonSave(integrity),
+                ),
+                force=True,  # the caller decides when to save, not Orbax's interval policy
+            )
+        except Exception as e:  # a synchronous save's write error (e.g. out of disk)
+            raise self._save_failed(step, e) from e
         if not saved:
             raise CheckpointError(f"Orbax declined to save step {step} in {self.directory}")
         if self._async:
@@ -138,15 +169,44 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as e:
-            raise CheckpointError(
-                f"saving checkpoint step {step} in {self.directory} failed: {type(e).__name__}: {e}"
-            ) from e
+            raise self._save_failed(step, e) from e
+
+    def check(self) -> None:
+        """Raises CheckpointError if the pending async save has failed; returns at once while
+        it is still being written."""
+        if self._pending is None or self._manager.is_saving_in_progress():
+            return
+        try:
+            self._manager.wait_until_finished()  # finished: returns, or raises its error
+        except Exception as e:
+            step, self._pending = self._pending, None
+            raise self._save_failed(step, e) from e
+
+    def _save_failed(self, step: int | None, e: BaseException) -> CheckpointError:
+        """The error of a failed write, its OS cause first: TensorStore puts that at the end of
+        a message long enough to be cut."""
+        codes = re.findall(r"os_error_code='(\d+)'", str(e))
+        codes += [x.errno for x in (e, e.__cause__, e.__context__) if isinstance(x, OSError)]
+        cause = next((f"{os.strerror(int(c))} (errno {c}); " for c in codes if c), "")
+        return CheckpointError(
+            f"saving checkpoint step {step} in {self.directory} failed: {cause}{_short(e)}"
+        )
 
     def close(self) -> None:
+        _OPEN.discard(self)
         try:
             self.wait()
         finally:
             self._manager.close()
+
+    def _close_at_exit(self) -> None:
+        """Stops Orbax's background threads before the interpreter tears down the modules they
+        use (left running, each fails with a traceback of its own). A save that fails here
+        is logged: no caller is left to raise it to."""
+        try:
+            self.close()
+        except Exception as e:
+            log.error("%s", _short(e, limit=1000))
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -265,8 +325,8 @@ class Checkpointer:
         target = None
         if problem is None:
             target = abstract_state(step, meta) if callable(abstract_state) else abstract_state
-            target = _abstract_tree(target)
-            problem = _layout_problem(integrity, target)
+            target = abstract_tree(target)
+            problem = layout_problem(integrity, target)
         if not _all_processes_agree(problem is None):
             raise _Unreadable(problem or "unreadable on another process")
         try:
@@ -283,7 +343,7 @@ class Checkpointer:
                 ) from e
             raise _Unreadable(f"unreadable arrays ({_short(e)})") from e
         expected = {entry["path"]: entry["checksum"] for entry in integrity["leaves"]}
-        got = _describe(_state_leaves(restored))
+        got = describe(state_leaves(restored))
         bad = [d["path"] for d in got if d["checksum"] != expected[d["path"]]]
         if bad:
             raise _Unreadable(
@@ -316,124 +376,68 @@ class Checkpointer:
         self._saved_once = True
         if not stale and not first:
             return
-        if stale:
-            log.warning(
-                "checkpoint steps %s in %s are at or after step %d being saved (the run resumed "
-                "from an older step); moving them to %s/",
-                stale,
-                self.directory,
-                step,
-                SUPERSEDED,
-            )
         if ocp.multihost.is_primary_host(0):
             for path in self._unfinished_steps().values() if first else ():
                 log.info("removing unfinished checkpoint save %s", path)
-                path.rmtree()
+                if _accessible(path):
+                    path.rmtree()
+                else:
+                    self._set_aside(path)
+            moved = []
             for s in stale:
-                dest = self._path / SUPERSEDED / str(s)
-                suffix = 0
-                while dest.exists():
-                    suffix += 1
-                    dest = self._path / SUPERSEDED / f"{s}.{suffix}"
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                (self._path / str(s)).rename(dest)
+                path = self._path / str(s)
+                if _accessible(path):
+                    dest = _free_name(self._path / SUPERSEDED, str(s))
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    path.rename(dest)
+                    moved.append(s)
+                else:
+                    self._set_aside(path)
+            if moved:
+                log.warning(
+                    "checkpoint steps %s in %s are at or after step %d being saved (a run that "
+                    "resumed from an older step, or one redoing its last step); moved to %s/",
+                    moved,
+                    self.directory,
+                    step,
+                    SUPERSEDED,
+                )
         self._barriers += 1  # Orbax barrier names must be unique
         ocp.multihost.sync_global_processes(f"envace_checkpoint_make_room_{self._barriers}")
         if stale:
             self._manager.reload()
 
-
-# ---------------------------------------------------------------------------- pytrees
-
-
-def _state_leaves(state: Any) -> list[tuple[str, jax.Array]]:
-    """(key path, leaf) of a state to save; anything but a plain jax.Array is an error."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(state)
-    if not flat:
-        raise ValueError("checkpoint state: the pytree has no leaves")
-    out = []
-    for path, leaf in flat:
-        name = jax.tree_util.keystr(path)
-        if not isinstance(leaf, jax.Array):
-            raise TypeError(
-                f"checkpoint state{name}: expected a jax.Array, got {type(leaf).__name__}"
-            )
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            raise TypeError(
-                f"checkpoint state{name}: a typed PRNG key; save jax.random.key_data(key) "
-                "(uint32) and rebuild it with jax.random.wrap_key_data"
-            )
-        out.append((name, leaf))
-    return out
-
-
-def _abstract_tree(target: Any) -> Any:
-    """The restore target as ShapeDtypeStructs with shardings (jax.Arrays are described)."""
-
-    def one(path, leaf):
-        if isinstance(leaf, jax.Array):
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-        if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
-            return leaf
-        raise TypeError(
-            f"abstract_state{jax.tree_util.keystr(path)}: expected a jax.ShapeDtypeStruct with "
-            f"a sharding (restore places each shard directly), got {leaf!r}"
+    def _set_aside(self, path: epath.Path) -> None:
+        """Takes an unreadable step directory out of Orbax's view without reading or moving
+        it: moving a directory elsewhere needs write permission on the directory itself, and
+        removing it needs its contents, so it is renamed where it is, to a name that is no step
+        (this needs only the checkpoint directory's permissions, which saving needs anyway)."""
+        dest = _free_name(self._path, path.name.split(".")[0] + ".unreadable")
+        path.rename(dest)
+        log.warning(
+            "checkpoint directory %s cannot be read, so it is neither restored nor moved to %s/; "
+            "left in place as %s (inspect it, then delete it)",
+            path,
+            SUPERSEDED,
+            dest,
         )
 
-    return jax.tree_util.tree_map_with_path(one, target)
+
+def _accessible(path: epath.Path) -> bool:
+    """Whether this process may list, read and write inside `path` (always assumed for remote
+    storage, where permissions are not per directory)."""
+    if "://" in os.fspath(path):
+        return True
+    return os.access(path, os.R_OK | os.W_OK | os.X_OK)
 
 
-def _layout_problem(integrity: Any, target: Any) -> str | None:
-    """Why the checkpoint's leaves (from its integrity item) do not fit `target`, or None."""
-    try:
-        saved = {e["path"]: e for e in integrity["leaves"]}
-        if integrity["version"] != _INTEGRITY_VERSION:
-            return f"integrity item version {integrity['version']} is not {_INTEGRITY_VERSION}"
-    except (KeyError, TypeError) as e:
-        return f"malformed integrity item ({_short(e)})"
-    flat, _ = jax.tree_util.tree_flatten_with_path(target)
-    want = {jax.tree_util.keystr(p): leaf for p, leaf in flat}
-    missing = [p for p in want if p not in saved]
-    extra = [p for p in saved if p not in want]
-    if missing or extra:
-        return (
-            f"pytree structure differs from the target: target leaves missing from the "
-            f"checkpoint {missing[:5]}, checkpoint leaves not in the target {extra[:5]}"
-        )
-    wrong = [
-        f"{p}: checkpoint {saved[p]['dtype']}{list(saved[p]['shape'])}, "
-        f"target {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
-        for p, leaf in want.items()
-        if list(saved[p]["shape"]) != list(leaf.shape)
-        or saved[p]["dtype"] != jnp.dtype(leaf.dtype).name
-    ]
-    if wrong:
-        return f"{len(wrong)} leaves do not fit the target ({'; '.join(wrong[:5])})"
-    return None
-
-
-def _json_problem(x: Any, where: str) -> str | None:
-    """Why `x` would not round-trip through JSON unchanged, naming the offending key."""
-    if isinstance(x, dict):
-        for k, v in x.items():
-            if not isinstance(k, str):
-                return f"{where}: key {k!r} is not a string"
-            problem = _json_problem(v, f"{where}[{k!r}]")
-            if problem:
-                return problem
-        return None
-    if isinstance(x, list | tuple):
-        for i, v in enumerate(x):
-            problem = _json_problem(v, f"{where}[{i}]")
-            if problem:
-                return problem
-        return None
-    if x is None or isinstance(x, str | bool | int | float):
-        return None
-    return (
-        f"{where}: a {type(x).__name__} is not JSON (convert array scalars with float() / "
-        "int() / .tolist())"
-    )
+def _free_name(parent: epath.Path, name: str) -> epath.Path:
+    """parent/name, or parent/name.1, .2, ... if taken."""
+    dest, suffix = parent / name, 0
+    while dest.exists():
+        suffix += 1
+        dest = parent / f"{name}.{suffix}"
+    return dest
 
 
 def _short(e: BaseException, limit: int = 300) -> str:
@@ -457,61 +461,3 @@ def _all_processes_agree(ok: bool) -> bool:
     if jax.process_count() == 1:
         return ok
     return bool(np.all(multihost_utils.process_allgather(np.array(ok, np.int32))))
-
-
-# --------------------------------------------------------------------------- checksums
-
-
-def _describe(leaves: list[tuple[str, jax.Array]]) -> list[dict]:
-    """Path, shape, dtype and content checksum (16 hex digits) of every leaf."""
-    sums = jax.device_get(_checksums([leaf for _, leaf in leaves]))
-    return [
-        {
-            "path": name,
-            "shape": list(leaf.shape),
-            "dtype": jnp.dtype(leaf.dtype).name,
-            "checksum": f"{int(s[0]):08x}{int(s[1]):08x}",
-        }
-        for (name, leaf), s in zip(leaves, sums, strict=True)
-    ]
-
-
-def _fmix32(h: jax.Array) -> jax.Array:
-    """MurmurHash3's 32-bit finaliser: every input bit affects every output bit."""
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-@jax.jit
-def _checksums(xs: list[jax.Array]) -> jax.Array:
-    """[n, 2] uint32: `_checksum` of every array, as one program. One dispatch per save rather
-    than one per leaf: with many cross-process reductions in flight at once, multi-process CPU
-    runs (gloo collectives) can hang."""
-    return jnp.stack([_checksum(x) for x in xs])
-
-
-@jax.jit
-def _checksum(x: jax.Array) -> jax.Array:
-    """[2] uint32: two wrapping sums over elements of a mix of (flat index, bit pattern).
-
-    Sums commute, so the result does not depend on how `x` is sharded or reduced; mixing in
-    the index makes moved or swapped elements count. Runs where `x` lives (no host copy).
-    """
-    if x.dtype == jnp.bool_:
-        bits = x.astype(jnp.uint32)
-    else:
-        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)  # 8 bytes: [..., 2]
-    index = jnp.zeros(bits.shape, jnp.uint32)
-    stride = 1
-    for d in reversed(range(bits.ndim)):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(
-            stride % 2**32
-        )
-        stride *= bits.shape[d]
-    mixed = _fmix32(bits ^ _fmix32(index ^ jnp.uint32(0x9E3779B9)))
-    second = _fmix32(mixed + jnp.uint32(0x7F4A7C15))
-    return jnp.stack([jnp.sum(mixed, dtype=jnp.uint32), jnp.sum(second, dtype=jnp.uint32)])

@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from envace_jax import checkpoint as ckpt_lib
+from envace_jax import checkpoint_integrity
 from envace_jax.checkpoint import Checkpointer, CheckpointError
 from tests.conftest import fake_devices_env
 
@@ -394,7 +395,7 @@ def test_resumed_run_moves_newer_checkpoints_aside(tmp_path, caplog):
     assert (step, meta) == (30, {"step": 30})
     assert_bit_equal(restored, host_copy(make_state(31)))
     assert sorted(p.name for p in (directory / ckpt_lib.SUPERSEDED).iterdir()) == ["30"]
-    assert any("[30]" in r.getMessage() and "moving them" in r.getMessage() for r in caplog.records)
+    assert any("[30]" in r.getMessage() and "moved to" in r.getMessage() for r in caplog.records)
 
 
 KILL_SCRIPT = """
@@ -590,12 +591,14 @@ def _checksum_np(x: np.ndarray) -> list[int]:
 def test_checksum_matches_numpy_and_sees_single_changes(dtype):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((5, 7, 3)) * 50).astype(dtype)
-    got = [int(v) for v in ckpt_lib._checksum(x)]
+    got = [int(v) for v in checkpoint_integrity.checksum(x)]
     assert got == _checksum_np(np.asarray(x))
     flipped = np.asarray(x).copy().view(np.uint8)
     flipped.reshape(-1)[17] ^= 1
-    assert [int(v) for v in ckpt_lib._checksum(jnp.asarray(flipped.view(x.dtype)))] != got
+    assert [
+        int(v) for v in checkpoint_integrity.checksum(jnp.asarray(flipped.view(x.dtype)))
+    ] != got
     swapped = np.asarray(x).copy()
     swapped[[0, 1]] = swapped[[1, 0]]
     if not np.array_equal(swapped, np.asarray(x)):
-        assert [int(v) for v in ckpt_lib._checksum(jnp.asarray(swapped))] != got
+        assert [int(v) for v in checkpoint_integrity.checksum(jnp.asarray(swapped))] != got
