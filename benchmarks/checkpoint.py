@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from envace_jax import checkpoint as ckpt_lib
+from envace_jax.checkpoint_integrity import describe, state_leaves
 
 
 def main() -> None:
@@ -28,10 +29,10 @@ def main() -> None:
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
     )
-    leaves = ckpt_lib._state_leaves(state)
-    ckpt_lib._describe(leaves)  # compile
+    leaves = state_leaves(state)
+    describe(leaves)  # compile
     t = time.perf_counter()
-    ckpt_lib._describe(leaves)
+    describe(leaves)
     checksum = time.perf_counter() - t
     with tempfile.TemporaryDirectory() as d:
         with ckpt_lib.Checkpointer(d, keep=2) as ckpt:
