@@ -3,9 +3,12 @@
     python -m envace_jax.experiments.compare --workdir DIR            # full (up to ~60 min)
     python -m envace_jax.experiments.compare --workdir DIR --quick    # quick (up to ~15 min)
     python -m envace_jax.experiments.compare --workdir DIR --set rollout.group_size=8  # any key
+    python -m envace_jax.experiments.compare --workdir DIR --modes sft_only,grpo_real_env
 
-Every training mode (`rollout.modes`) x 3 seeds, with the same budget, on the main policy size;
-then a model-scale study: the modes that carry the scaling claim, on a smaller policy. Writes
+Every training mode (`rollout.modes`, or those `--modes` names) x 3 seeds, with the same budget,
+on the main policy size; with a second `--presets` entry, a model-scale study: the modes that
+carry the scaling claim, on a smaller policy. Every run is evaluated the same way (greedy and
+avg@4 on 256 held-out tasks, `envace_jax.evaluation`), and claims are judged on avg@4. Writes
 `results.md` (tables and the claim-by-claim verdicts), `results.csv` (one line per run) and
 `results.png` (bars) into DIR; each run keeps its own workdir under DIR/runs/.
 
@@ -94,8 +97,11 @@ _CONFIG = flags.DEFINE_string(
 _SET = flags.DEFINE_multi_string("set", [], "Override for every run, e.g. rollout.group_size=8.")
 _SEEDS = flags.DEFINE_integer("seeds", len(SEEDS), "Seeds per mode.")
 _PRESETS = flags.DEFINE_list(
-    "presets", list(SIZES.values()), "Model presets: the main comparison's, then the smaller one."
+    "presets",
+    [SIZES["main"]],
+    "Model presets: the main comparison's, then optionally a smaller one for the scale study.",
 )
+_MODES = flags.DEFINE_list("modes", list(MODES), "Training modes of the main comparison.")
 
 
 # ---------------------------------------------------------------------------------- configs
@@ -182,18 +188,23 @@ def run_one(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     return result
 
 
-def plan(seeds: int, sizes: dict[str, str] = SIZES) -> list[tuple[str, str, int]]:
-    """(size, mode, seed) of every run, warm starts first within each size."""
+def plan(
+    seeds: int, sizes: dict[str, str] = SIZES, modes: tuple[str, ...] = MODES
+) -> list[tuple[str, str, int]]:
+    """(size, mode, seed) of every run, warm starts first within each size; the scale study
+    (sizes after the first) runs the `SCALE_MODES` among `modes`."""
     runs = []
     for i, size in enumerate(sizes):
-        modes = MODES if i == 0 else SCALE_MODES
-        modes = ("sft_only",) + tuple(m for m in modes if m != "sft_only")
-        runs += [(size, mode, seed) for mode in modes for seed in range(seeds)]
+        chosen = modes if i == 0 else [m for m in SCALE_MODES if m in modes]
+        chosen = ("sft_only",) + tuple(m for m in chosen if m != "sft_only")
+        runs += [(size, mode, seed) for mode in chosen for seed in range(seeds)]
     return runs
 
 
-def run_all(base, overrides, root: str, seeds: int, sizes=SIZES) -> list[dict[str, Any]]:
-    runs = plan(seeds, sizes)
+def run_all(
+    base, overrides, root: str, seeds: int, sizes=SIZES, modes=MODES
+) -> list[dict[str, Any]]:
+    runs = plan(seeds, sizes, modes)
     results = []
     t0 = time.time()
     for i, (size, mode, seed) in enumerate(runs):
@@ -266,7 +277,7 @@ def _verdict(d: float, se: float) -> str:
 
 def claims(summary, sizes=SIZES) -> list[tuple[str, str, str]]:
     """(claim, measured numbers, verdict) for each claim of the paper that the runs test."""
-    main, small = list(sizes)
+    main, small = (list(sizes) + [None])[:2]
     get = lambda size, mode: summary.get((size, mode))
     out = []
     pairs = [
@@ -287,7 +298,7 @@ def claims(summary, sizes=SIZES) -> list[tuple[str, str, str]]:
             text = f"{a} - {b}: avg@4 {d:+.3f} (s.e. {se:.3f}), greedy {dg:+.3f} (s.e. {seg:.3f})"
             out.append((claim, text, v))
     gains = {}
-    for size in (main, small):
+    for size in (main, small) if small else (main,):
         if get(size, "envace") and get(size, "grpo_real_env"):
             gains[size] = compare_means(
                 get(size, "envace"), get(size, "grpo_real_env"), "success_avg4"
@@ -353,13 +364,16 @@ def results_markdown(
         "",
         header,
         rows(main, MODES),
-        "",
-        "## Model-scale study",
-        "",
-        "| size | parameters | mode | success (avg@4) | reward | rehearsal fidelity |",
-        "|---|---|---|---|---|---|",
     ]
-    for size, preset in sizes.items():
+    if len(sizes) > 1:
+        parts += [
+            "",
+            "## Model-scale study",
+            "",
+            "| size | parameters | mode | success (avg@4) | reward | rehearsal fidelity |",
+            "|---|---|---|---|---|---|",
+        ]
+    for size, preset in sizes.items() if len(sizes) > 1 else ():
         for mode in SCALE_MODES:
             s = summary.get((size, mode))
             if s:
@@ -393,7 +407,7 @@ def write_csv(path: str, results: list[dict[str, Any]]) -> None:
 
 
 def plot(path: str, summary, results, sizes=SIZES) -> None:
-    """Success and reward per mode (main size), and success per size in the scale study:
+    """Success avg@4 and greedy per mode (main size), and avg@4 per size in the scale study:
     bars are seed means, whiskers the std, dots the seeds."""
     import matplotlib
 
@@ -403,7 +417,7 @@ def plot(path: str, summary, results, sizes=SIZES) -> None:
     main = next(iter(sizes))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     modes = [m for m in MODES if (main, m) in summary]
-    for ax, key in zip(axes[:2], ("success", "reward"), strict=True):
+    for ax, key in zip(axes[:2], ("success_avg4", "success"), strict=True):
         means = [summary[(main, m)][key] for m in modes]
         stds = [summary[(main, m)][key + "_std"] for m in modes]
         ax.bar(range(len(modes)), means, yerr=stds, capsize=4, color="tab:blue", alpha=0.7)
@@ -411,7 +425,8 @@ def plot(path: str, summary, results, sizes=SIZES) -> None:
             ys = [r[key] for r in results if r["size"] == main and r["mode"] == m]
             ax.plot([i] * len(ys), ys, "k.", markersize=5)
         ax.set_xticks(range(len(modes)), modes, rotation=20, ha="right")
-        ax.set_title(f"held-out {key} ({sizes[main]})")
+        name = "success (avg@4)" if key == "success_avg4" else "success (greedy)"
+        ax.set_title(f"held-out {name} ({sizes[main]})")
         ax.set_ylim(0, 1)
         ax.grid(axis="y", alpha=0.3)
     ax = axes[2]
@@ -421,14 +436,14 @@ def plot(path: str, summary, results, sizes=SIZES) -> None:
         xs = np.arange(len(SCALE_MODES)) + (j - (len(sizes) - 1) / 2) * width
         ax.bar(
             xs,
-            [s["success"] if s else 0 for s in ms],
+            [s["success_avg4"] if s else 0 for s in ms],
             width,
-            yerr=[s["success_std"] if s else 0 for s in ms],
+            yerr=[s["success_avg4_std"] if s else 0 for s in ms],
             capsize=3,
             label=preset,
         )
     ax.set_xticks(range(len(SCALE_MODES)), SCALE_MODES)
-    ax.set_title("held-out success by policy size")
+    ax.set_title("held-out success (avg@4) by policy size")
     ax.set_ylim(0, 1)
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
@@ -456,9 +471,12 @@ def main(argv):
 
     budget = "quick" if _QUICK.value else "full"
     try:
-        if len(_PRESETS.value) != 2:
-            raise ValueError(f"--presets: expected two model presets, got {_PRESETS.value}")
-        sizes = dict(zip(SIZES, _PRESETS.value, strict=True))
+        if len(_PRESETS.value) not in (1, 2):
+            raise ValueError(f"--presets: expected one or two model presets, got {_PRESETS.value}")
+        sizes = dict(zip(SIZES, _PRESETS.value))
+        unknown = [m for m in _MODES.value if m not in MODES]
+        if unknown:
+            raise ValueError(f"--modes: unknown mode(s) {unknown}; known: {', '.join(MODES)}")
         base = load_config(_CONFIG.value)
         overrides = {**BUDGETS[budget], **_COMMON, **parse_overrides(_SET.value)}
         for preset in sizes.values():  # fail fast on a bad key or value
@@ -467,7 +485,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     t0 = time.time()
-    results = run_all(base, overrides, root, _SEEDS.value, sizes)
+    results = run_all(base, overrides, root, _SEEDS.value, sizes, tuple(_MODES.value))
     summary = summarize(results, sizes)
     verdicts = claims(summary, sizes)
     minutes = (time.time() - t0) / 60

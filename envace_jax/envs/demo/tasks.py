@@ -9,7 +9,7 @@ A task is one world (from its own seed) plus one templated instruction from a fa
 |   | resolve (get_order, cancel or refund), sweep (get_balance, transfer) |
 | 3 | cancel_by_member, refund_by_member (find_customer, list_orders, act),
 |   | pay_member_to_member (find_customer x2, transfer) |
-| 4 | cancel_and_pay (find_customer, list_orders, cancel, transfer),
+| 4 | pay_and_cancel (find_customer, transfer, list_orders, cancel),
 |   | settle_two (find_customer, list_orders, cancel, refund) |
 
 The number of calls is drawn uniformly from 1..4, then the family uniformly within it. Every
@@ -254,24 +254,30 @@ def _pay_member_to_member(rng, world):
     )
 
 
-def _cancel_and_pay(rng, world):
-    rows = [c for c in world["customers"] if _unique_item_orders(world, c["id"], OPEN)]
+def _pay_and_cancel(rng, world):
+    # The payment comes first, next to the lookup that gives the payer's account: the policy
+    # copies the payee and the amount from the user's message while it is still close.
+    rows = [
+        c
+        for c in world["customers"]
+        if _unique_item_orders(world, c["id"], OPEN) and _balance(world, c["account"]) >= 10
+    ]
     c = _choice(rng, rows)
     if c is None:
         return None
     o = rng.choice(_unique_item_orders(world, c["id"], OPEN))
     to = _other_account(rng, world, c["account"])
-    amount = rng.randint(1, min(MAX_AMOUNT, _balance(world, c["account"]) + o["price"]))
+    amount = rng.randint(1, MAX_AMOUNT)
     return (
-        f"I am member {c['member']}. Cancel my {o['item']} order, then send {amount} to "
-        f"account {to}.",
+        f"I am member {c['member']}. Send {amount} to account {to}, then cancel my "
+        f"{o['item']} order.",
         [
             _call("find_customer", member=c["member"]),
-            _call("list_orders", {"customer_id": 0}, customer_id=c["id"]),
-            _call("cancel_order", {"order_id": 1}, order_id=o["id"]),
             _call("transfer", {"from_id": 0}, from_id=c["account"], to_id=to, amount=amount),
+            _call("list_orders", {"customer_id": 0}, customer_id=c["id"]),
+            _call("cancel_order", {"order_id": 2}, order_id=o["id"]),
         ],
-        f"Order {o['id']} is cancelled and {amount} is sent. Your balance is {{v}}.",
+        f"Sent {amount} to {to} and order {o['id']} is cancelled. Your balance is {{v}}.",
         (3, "balance"),
     )
 
@@ -314,7 +320,7 @@ FAMILIES: dict[int, dict[str, Family]] = {
         "refund_by_member": _refund_by_member,
         "pay_member_to_member": _pay_member_to_member,
     },
-    4: {"cancel_and_pay": _cancel_and_pay, "settle_two": _settle_two},
+    4: {"pay_and_cancel": _pay_and_cancel, "settle_two": _settle_two},
 }
 
 
