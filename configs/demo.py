@@ -33,6 +33,9 @@ def _from_demo_base(config) -> None:
     # was (gradient norm ~0.01 under Adam); 1e-3 broke its message format within 8 steps. A
     # short warmup keeps Adam's first, sign-like update from taking a full step on one batch.
     _from_checkpoint(config, 100, 1e-3, 10, rl_lr=3e-4, rl_warmup=4)
+    # Held-out evaluation at the warm start and at the end only: each is five runs over the
+    # tasks (greedy and avg@4).
+    config.schedule.eval_every = 0
     # The RL update in 8 chunks of 8 rows (the same gradient): all 64 rows of up to 1,024
     # tokens at once took 18 GB and spent much of its time faulting pages in; 8 rows, 2.8 GB.
     config.grpo.micro_batches = 8

@@ -279,13 +279,29 @@ def step_configs(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return out
 
 
+def key_problem(path: str) -> str | None:
+    """Why `config.<path>` is not a key of the config tree, naming the keys of the section it
+    falls in; None if it is one."""
+    node, where = base_config(), "config"
+    for part in path.split("."):
+        if not isinstance(node, ml_collections.ConfigDict):
+            return f"unknown config key config.{path}: {where} is a value, not a section"
+        if part not in node:
+            keys = ", ".join(sorted(node.keys()))
+            return f"unknown config key config.{path}: {where} has no key {part!r} (keys: {keys})"
+        node, where = node[part], f"{where}.{part}"
+    if isinstance(node, ml_collections.ConfigDict):
+        return f"config.{path} is a section (keys: {', '.join(sorted(node.keys()))}), not a value"
+    return None
+
+
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Checks every key and value of `config`; returns it unchanged or raises ConfigError."""
     given = _flatten(config)
     known = _flatten(base_config())
     unknown = sorted(set(given) - set(known))
     if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join('config.' + k for k in unknown)}")
+        raise ConfigError("; ".join(key_problem(k) for k in unknown))
     missing = sorted(set(known) - set(given))
     if missing:
         raise ConfigError(f"config is missing key(s): {', '.join('config.' + k for k in missing)}")

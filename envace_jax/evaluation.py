@@ -57,11 +57,13 @@ def families_of(tasks: Sequence[Any]) -> list[str]:
     return sorted({f for t in tasks if (f := t.metadata.get("family"))})
 
 
-def _by_family(
-    per_task: np.ndarray, mine: Sequence[Any], families: Sequence[str], everywhere: bool
+def by_family(
+    per_task: Sequence[float], mine: Sequence[Any], families: Sequence[str], everywhere: bool
 ) -> dict[str, float]:
-    """Mean per-task score per family, over this process's tasks `mine` (every process's
-    when `everywhere`, a collective: `families` must then be the same list on all)."""
+    """Mean per-task score per task family, over this process's tasks `mine` (every process's
+    when `everywhere`, a collective: `families` must then be the same list on all). A family
+    with no task here has no entry rather than a 0 that reads as "always fails": a rate over
+    all tasks hides a skill that fails every time, so families are reported apart."""
     index = {f: i for i, f in enumerate(families)}
     sums = np.zeros((2, len(families)))
     for v, task in zip(per_task, mine, strict=True):
@@ -195,8 +197,8 @@ def evaluate(
         tool_error_rate=m["tool_error_rate"],
         invalid_rate=m["invalid_rate"],
         fidelity=fidelity,
-        by_family=_by_family(greedy_ok, mine, families_of(tasks), everywhere=True),
-        by_family_avg4=_by_family(avg_ok, mine, families_of(tasks), everywhere=True),
+        by_family=by_family(greedy_ok, mine, families_of(tasks), everywhere=True),
+        by_family_avg4=by_family(avg_ok, mine, families_of(tasks), everywhere=True),
     )
 
 
@@ -227,13 +229,11 @@ def headroom(
         max_new_tokens=max_new_tokens,
     )
     greedy = np.asarray([r.success for r in run(key, SamplingParams(greedy=True))], np.float64)
-    ok = np.asarray(
-        [[r.success for r in run(jax.random.fold_in(key, 1 + s), sampling)] for s in range(samples)],
-        np.float64,
-    )
+    keys = [jax.random.fold_in(key, 1 + s) for s in range(samples)]
+    ok = np.asarray([[r.success for r in run(k, sampling)] for k in keys], np.float64)
     scores = {"greedy": greedy, "pass@1": ok.mean(axis=0), "pass@k": ok.max(axis=0)}
     families = families_of(tasks)
-    per_family = {name: _by_family(v, mine, families, everywhere=True) for name, v in scores.items()}
+    per_family = {name: by_family(v, mine, families, True) for name, v in scores.items()}
     out = {
         f: {"tasks": sum(t.metadata.get("family") == f for t in tasks)}
         | {name: per_family[name][f] for name in scores}

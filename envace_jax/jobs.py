@@ -5,11 +5,11 @@ from __future__ import annotations
 import ml_collections
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def run(config: ml_collections.ConfigDict, workdir: str, force: bool = False) -> dict:
     """'train': the EnvACE training job (warm start, world-rehearsal RL, real-environment
     evaluation). 'rehearsal_eval': test-time rehearsal of a trained workdir
     (`envace_jax.rehearsal_eval`). 'headroom': greedy, pass@1 and pass@k of a trained workdir's
-    policies (`envace_jax.headroom`)."""
+    policies (`envace_jax.headroom`). force: a finished train job redoes its final evaluation."""
     if config.job == "headroom":
         from envace_jax.headroom import run as headroom
 
@@ -20,4 +20,4 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         return rehearsal_eval(config, workdir)
     from envace_jax.trainer import Trainer
 
-    return Trainer(config, workdir).run()
+    return Trainer(config, workdir).run(force=force)

@@ -3,28 +3,117 @@
     python -m envace_jax.main --config configs/demo.py --workdir workdir/demo
     python -m envace_jax.main --config configs/demo.py:smoke --config.seed=1 --workdir /tmp/x
 
-The config is validated before anything is built or compiled; a wrong key or value is an error
-that names it. A multi-process run (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
-JAX_PROCESS_ID, as `tpu_scripts/worker_run.sh` sets them on a pod slice, or SLURM / Open MPI)
-calls `jax.distributed.initialize` before anything touches a device; every process runs this
-same command.
+The config is validated before anything is built, compiled or written: a missing config file,
+an unknown key, a bad value or a missing model directory is one line naming it (exit status 2).
+A run stopped by a checkpoint that cannot be written (e.g. out of disk) ends with one line too
+(exit status 1). Rerunning a finished train workdir writes its outputs again from the final
+checkpoint and prints its summary; `--force` redoes its final evaluation.
+
+A multi-process run (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, as
+`tpu_scripts/worker_run.sh` sets them on a pod slice, or SLURM / Open MPI) calls
+`jax.distributed.initialize` before anything touches a device; every process runs this same
+command.
 """
 
 from __future__ import annotations
 
 import json
+import logging as std_logging
 import os
 import sys
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from envace_jax.configuration import ConfigError, validate
+from envace_jax.configuration import ConfigError, key_problem, validate
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Job config file (`path.py` or `path.py:variant`).", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and exports.")
+_FORCE = flags.DEFINE_bool(
+    "force", False, "Redo a finished train run's final evaluation (default: print its summary)."
+)
+
+
+def _fail(message, status: int):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(status)
+
+
+def _config_arguments_problem(args: list[str]) -> str | None:
+    """What is wrong with the --config arguments, checked before absl applies them: there,
+    a missing file is two chained tracebacks and an unknown override key a bare KeyError."""
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        name, eq, value = arg.lstrip("-").partition("=")
+        if not arg.startswith("-"):
+            continue
+        if name == "config":
+            if not eq:
+                value = args[i + 1] if i + 1 < len(args) else ""
+            path = value.split(":", 1)[0]
+            if path and not os.path.isfile(path):
+                return f"--config: no config file {path!r}"
+        elif name.startswith(("config.", "noconfig.")):
+            if problem := key_problem(name.split(".", 1)[1]):
+                return problem
+    return None
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    if problem := _config_arguments_problem(argv[1:]):
+        _fail(problem, 2)
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e} (--help lists the flags)", 2)
+
+
+def _missing_paths(config) -> list[str]:
+    """Local directories the config names that do not exist (found before the workdir is
+    written, not when the model is loaded)."""
+    from envace_jax.models.shipped import resolve_hf_path
+
+    out = []
+    hf_path = config.model.hf_path
+    if hf_path and not os.path.isdir(resolve_hf_path(hf_path)):
+        out.append(f"config.model.hf_path = {hf_path!r}: no such directory")
+    if config.tokenizer != "demo" and not os.path.isdir(config.tokenizer):
+        out.append(f"config.tokenizer = {config.tokenizer!r}: no such directory")
+    return out
+
+
+class _NoOrbaxTracebacks(std_logging.Filter):
+    """A failed background checkpoint write is logged with a traceback by each Orbax thread
+    involved, and by asyncio for each of its futures that failed too; the error reaches the
+    user once, as CheckpointError. Those log lines stay, without their tracebacks."""
+
+    def filter(self, record):
+        if record.exc_info and record.exc_info[2] is not None:
+            frames = traceback.extract_tb(record.exc_info[2])
+            if any(f"{os.sep}orbax{os.sep}" in f.filename for f in frames):
+                record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _drop_closed_loop_callbacks(hook):
+    """`sys.unraisablehook` without one kind of report: Orbax writes a checkpoint on an event
+    loop of its own and closes it when the first write fails; TensorStore then reports each
+    other write's completion to the closed loop, as an unraisable error with a traceback."""
+
+    def unraisable(u):
+        frames = traceback.extract_tb(u.exc_traceback) if u.exc_traceback else []
+        closed = (
+            isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+        )
+        if closed and frames and frames[-1].name == "_check_closed":
+            return
+        hook(u)
+
+    return unraisable
 
 
 def main(argv):
@@ -37,8 +126,9 @@ def main(argv):
     try:
         config = validate(_CONFIG.value)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _fail(e, 2)
+    if missing := _missing_paths(config):
+        _fail("; ".join(missing), 2)
     from envace_jax import parallel
 
     parallel.initialize_distributed()
@@ -54,12 +144,19 @@ def main(argv):
     logging.info("workdir %s", workdir)
 
     from envace_jax import jobs  # heavy imports only after the config is known to be good
+    from envace_jax.checkpoint import CheckpointError
 
-    jobs.run(config, workdir)
+    # A failed checkpoint write reaches the user once, as CheckpointError (below).
+    logging.get_absl_handler().addFilter(_NoOrbaxTracebacks())  # every logger's records
+    sys.unraisablehook = _drop_closed_loop_callbacks(sys.unraisablehook)
+    try:
+        jobs.run(config, workdir, force=_FORCE.value)
+    except CheckpointError as e:
+        _fail(e, 1)
 
 
 def cli():
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

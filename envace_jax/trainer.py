@@ -47,10 +47,10 @@ from envace_jax import checkpoint as ckpt_lib
 from envace_jax import evaluation, parallel
 from envace_jax.build import build_mesh, build_model, build_tokenizer
 from envace_jax.configuration import step_configs
-from envace_jax.evaluation import EvalResult
 from envace_jax.data.stream import TaskStream, length_grouped_batch
 from envace_jax.diagnostics import build_copy_probe, copy_metrics
 from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks, response_tools
+from envace_jax.evaluation import EvalResult
 from envace_jax.metrics import (
     MetricsWriter,
     Progress,
@@ -319,9 +319,10 @@ class Trainer:
         """Warm-start sequences (`text.trajectory.EncodedConversation`), one per training task:
         its oracle conversation, actions as ACT and the real environment's responses as
         REHEARSE targets; a share `data.failure_demos` shows a failing call and its recovery
-        (`envs.demo.oracle.recovery_messages`). For a fraction `rehearsal.sft_memory_fraction` of the tasks the prompt
-        also carries a rehearsal memory (exact, or partly wrong so that the policy learns to
-        check it; `rollout.memory`), which test-time rehearsal gives the committed run."""
+        (`envs.demo.oracle.recovery_messages`). For a fraction `rehearsal.sft_memory_fraction`
+        of the tasks the prompt also carries a rehearsal memory (exact, or partly wrong so that
+        the policy learns to check it; `rollout.memory`), which test-time rehearsal gives the
+        committed run."""
         demos = demonstrations(
             self.train_tasks, self.tokenizer, self.config.data.failure_demos, self.config.seed
         )
@@ -378,6 +379,7 @@ class Trainer:
         progress = Progress("warm start", self.sft_steps, start)
         last_good = start
         for step in range(start + 1, self.sft_steps + 1):
+            self.checkpointer.check()  # a failed background save stops the run here
             indices = length_grouped_batch(
                 lengths, self.config.seed, step - 1, s.sft_batch_size, s.sft_length_window
             )
@@ -496,6 +498,7 @@ class Trainer:
         progress = Progress(f"RL {self.config.mode}", self.rl_steps, rl_start)
         last_good = start
         for rl_step in range(rl_start + 1, self.rl_steps + 1):
+            self.checkpointer.check()  # a failed background save stops the run here
             g = self.sft_steps + rl_step
             t0 = time.time()
             tasks = [self.train_tasks[i] for i in stream.next_indices(r.tasks_per_step)]
@@ -539,9 +542,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- run
 
-    def run(self) -> dict[str, Any]:
+    def run(self, force: bool = False) -> dict[str, Any]:
+        """Trains, or resumes from the newest readable checkpoint. A finished run (its final
+        checkpoint restored) only writes its outputs again; `force` redoes its evaluation."""
         t_start = time.time()
         step, state, meta = self._restore()
+        if meta.get("phase") == "done" and step == self.sft_steps + self.rl_steps and not force:
+            print(f"the run is complete (step {step}); --force redoes its final evaluation")
+            final = EvalResult.from_dict(meta["final_eval"])
+            return self._finish(state, meta["sft_eval"], final, 0.0)
         if state is None and self.config.schedule.warm_start_dir:
             step, state, meta = self._load_warm_start(self.config.schedule.warm_start_dir)
         if state is None:

@@ -93,7 +93,7 @@ def test_recovery_demonstrations_show_real_error_responses(tokenizer, tasks):
     for task, demo in zip(tasks, demos, strict=True):
         env.reset(task)
         roles = demo.segment_roles()
-        errors = []
+        errors, call = [], None
         for s in range(1, demo.num_segments + 1):
             text = tokenizer.decode(demo.ids[demo.segments == s], skip_special_tokens=False)
             if roles[s - 1] == Role.REHEARSE:

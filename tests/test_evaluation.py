@@ -75,13 +75,22 @@ def test_headroom_pass_at_k_bounds(setup):
     key = jax.random.key(3)
     sampling = SamplingParams(temperature=1.0)
     out = headroom(
-        sampler, tok, tasks, DemoEnv, mesh, key=key, sampling=sampling, samples=3,
+        sampler,
+        tok,
+        tasks,
+        DemoEnv,
+        mesh,
+        key=key,
+        sampling=sampling,
+        samples=3,
         max_new_tokens=256,
     )
     runs = np.stack([_runs(setup, jax.random.fold_in(key, 1 + s), sampling) for s in range(3)])
     assert out["all"]["pass@1"] == pytest.approx(runs.mean())
     assert out["all"]["pass@k"] == pytest.approx(runs.max(axis=0).mean())
-    assert out["all"]["greedy"] == pytest.approx(_runs(setup, key, SamplingParams(greedy=True)).mean())
+    assert out["all"]["greedy"] == pytest.approx(
+        _runs(setup, key, SamplingParams(greedy=True)).mean()
+    )
     for family, r in out.items():
         assert r["pass@1"] <= r["pass@k"] + 1e-9, family
     assert sum(r["tasks"] for f, r in out.items() if f != "all") == N_TASKS

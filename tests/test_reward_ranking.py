@@ -46,7 +46,9 @@ def _edit(rng, task, calls, reply):
     elif kind == "insert":
         name = rng.choice(tools)
         schema = next(t for t in task.tools if t["function"]["name"] == name)
-        args = {k: rng.choice(_values(world)) for k in schema["function"]["parameters"]["properties"]}
+        args = {
+            k: rng.choice(_values(world)) for k in schema["function"]["parameters"]["properties"]
+        }
         calls.insert(rng.randrange(len(calls) + 1), {"name": name, "arguments": args})
     elif kind == "reply":
         reply = f"Done. Your balance is {rng.randint(0, 150)}."
@@ -65,9 +67,7 @@ def _play(task, calls, reply):
     for c in calls:
         result = env.step([c])[0]
         call_error |= is_call_error(result)
-        messages.append(
-            {"role": "assistant", "content": "", "tool_calls": [{"function": dict(c)}]}
-        )
+        messages.append({"role": "assistant", "content": "", "tool_calls": [{"function": dict(c)}]})
         messages.append({"role": "tool", "name": c["name"], "content": result_text(result)})
     if reply is not None:
         messages.append({"role": "assistant", "content": reply})
@@ -105,9 +105,7 @@ def test_every_success_scores_above_every_failure_of_its_task(seed):
 def test_domain_errors_recovered_from_still_succeed_and_score_full():
     """A failing call that gets a domain error, followed by the right call, still succeeds (the
     recovery demonstrations rely on it), and a call error fails the episode."""
-    task = next(
-        t for t in generate_tasks(3, 40, "validation") if t.ground_truth["n_calls"] == 1
-    )
+    task = next(t for t in generate_tasks(3, 40, "validation") if t.ground_truth["n_calls"] == 1)
     call = task.ground_truth["solution"][0]
     missing = {**call, "arguments": {**call["arguments"]}}
     key = next(k for k, v in sorted(missing["arguments"].items()) if isinstance(v, str))

@@ -217,13 +217,25 @@ def test_sigkill_mid_training_then_rerun_finishes(tmp_path):
 def test_family_success_is_a_rate_per_family_of_tasks_that_name_one():
     import types
 
-    from envace_jax.rollout.real_env import family_success
+    from envace_jax.evaluation import by_family
 
     def task(family):
         return types.SimpleNamespace(metadata={"family": family} if family else {})
 
     tasks = [task("a"), task("a"), task("a"), task("b"), task(None), task("c")]
-    results = [types.SimpleNamespace(success=s) for s in (True, False, True, False, True, True)]
-    got = family_success(results, tasks, ["a", "b", "c", "unseen"])
+    success = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+    got = by_family(success, tasks, ["a", "b", "c", "unseen"], everywhere=False)
     # 'unseen' has no task here: no rate rather than a 0 that reads as "always fails".
     assert got == {"a": pytest.approx(2 / 3), "b": 0.0, "c": 1.0}
+
+
+def test_kl_penalty_to_the_warm_start_is_applied_and_logged(tmp_path):
+    """grpo.use_kl trains against a frozen copy of the warm start: every RL step logs a finite,
+    non-negative k3 KL, and it is 0 at the first step (the policy is still the reference)."""
+    config = smoke(**{"grpo.use_kl": True, "grpo.kl_coef": 1e-3})
+    Trainer(config, str(tmp_path)).run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    kl = [r["kl"] for r in rows if r["phase"] == "rl"]
+    assert len(kl) == config.schedule.rl_steps
+    assert all(np.isfinite(k) and k >= 0 for k in kl)
+    assert kl[0] == pytest.approx(0.0, abs=1e-6)

@@ -473,7 +473,7 @@ def main(argv):
     try:
         if len(_PRESETS.value) not in (1, 2):
             raise ValueError(f"--presets: expected one or two model presets, got {_PRESETS.value}")
-        sizes = dict(zip(SIZES, _PRESETS.value))
+        sizes = dict(zip(SIZES, _PRESETS.value, strict=False))
         unknown = [m for m in _MODES.value if m not in MODES]
         if unknown:
             raise ValueError(f"--modes: unknown mode(s) {unknown}; known: {', '.join(MODES)}")

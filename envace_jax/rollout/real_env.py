@@ -208,26 +208,6 @@ def real_env_metrics(results: Sequence[RealEpisode], everywhere: bool = False) -
     }
 
 
-def family_success(
-    results: Sequence[RealEpisode],
-    tasks: Sequence[Any],
-    families: Sequence[str],
-    everywhere: bool = False,
-) -> dict[str, float]:
-    """Success rate per task family (`task.metadata['family']`, e.g. the demo domain's twelve
-    templates) of `results` (one per task), for every name in `families`: a rate over all tasks
-    hides a skill that fails every time. A collective when `everywhere`."""
-    index = {f: i for i, f in enumerate(families)}
-    sums = np.zeros((2, len(families)))
-    for r, task in zip(results, tasks, strict=True):
-        i = index.get(task.metadata.get("family"))
-        if i is not None:
-            sums[:, i] += (1, r.success)
-    if everywhere:
-        sums = parallel.process_sum(sums)
-    return {f: float(sums[1, i] / sums[0, i]) for f, i in index.items() if sums[0, i]}
-
-
 def rehearsal_fidelity(
     episodes: Sequence[Episode], tasks: Sequence[Any], make_env: Callable[[], Any]
 ) -> tuple[float, int]:

@@ -54,8 +54,8 @@ class DemoEnv:
     `reset(task)` loads ``task.ground_truth["initial_state"]``; `step` executes calls against
     that copy only; `success` compares the world with ``ground_truth["final_state"]``, checks
     that the changes that succeeded are the solution's (no extra ones that happen to cancel
-    out), and looks for every ``ground_truth["reply_facts"]`` value in the final reply. Only the task's own
-    tools (``task.tools``) can be called.
+    out), and looks for every ``ground_truth["reply_facts"]`` value in the final reply. Only
+    the task's own tools (``task.tools``) can be called.
     """
 
     def __init__(self) -> None:

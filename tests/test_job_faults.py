@@ -1,0 +1,132 @@
+"""The training job as an unlucky operator runs it: config mistakes, a disk that fills up
+during the run, and a finished workdir run again. Each mistake is one line naming it, never a
+traceback; a finished run is not redone."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(REPO, "configs", "demo.py")
+_ABSL = re.compile(r"[IWEF]\d{4} ")  # the start of an absl log line
+
+
+def _main(*args, cwd, preexec_fn=None, timeout=900):
+    return subprocess.run(
+        [sys.executable, "-m", "envace_jax.main", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": REPO},
+        preexec_fn=preexec_fn,
+    )
+
+
+def _messages(stderr: str) -> list[str]:
+    """What the job said on stderr, without absl's log lines."""
+    return [line for line in stderr.splitlines() if line.strip() and not _ABSL.match(line)]
+
+
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["--config.rl.nope=1"], ["config.rl.nope", "config has no key 'rl'", "schedule"]),
+        (
+            ["--config.schedule.nope=1"],
+            ["config.schedule.nope", "config.schedule has no key 'nope'", "sft_steps"],
+        ),
+        (["--config.model=1"], ["config.model is a section", "hf_path"]),
+        (["--config.model.hf_path=no/such/dir"], ["config.model.hf_path", "no such directory"]),
+    ],
+)
+def test_config_mistakes_are_one_line_and_nothing_is_written(tmp_path, args, needles):
+    workdir = tmp_path / "work"
+    r = _main(f"--config={DEMO}:smoke", f"--workdir={workdir}", *args, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    (line,) = _messages(r.stderr)
+    assert line.startswith("error: ") and all(n in line for n in needles), line
+    assert not workdir.exists()
+
+
+def test_a_missing_config_file_is_one_line(tmp_path):
+    r = _main("--config", "configs/nope.py:smoke", f"--workdir={tmp_path}/w", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert _messages(r.stderr) == ["error: --config: no config file 'configs/nope.py'"]
+
+
+@contextlib.contextmanager
+def _small_disk(tmp_path):
+    """A directory on a 1 MiB tmpfs (ENOSPC when full) where mounting is allowed, else None."""
+    path = tmp_path / "small"
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True
+    )
+    try:
+        yield str(path) if mounted.returncode == 0 else None
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", str(path)], check=True)
+
+
+def _file_size_limit():
+    """In the job's process: files over 512 KiB fail to write (EFBIG), as on a full disk."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (512 * 1024, resource.RLIM_INFINITY))
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_up_stops_the_run_with_one_message(tmp_path):
+    """The warm start's first checkpoint cannot be written (its background write fails): the
+    run stops at the next step boundary with one line naming the step and the OS error."""
+    with _small_disk(tmp_path) as small:
+        args = [f"--config={DEMO}:smoke", f"--workdir={tmp_path}/work"]
+        if small:
+            args.append(f"--config.schedule.checkpoint_dir={small}/checkpoints")
+            r = _main(*args, cwd=tmp_path)
+            cause = "No space left on device"
+        else:
+            r = _main(*args, cwd=tmp_path, preexec_fn=_file_size_limit)
+            cause = "File too large"
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-6000:]
+    (line,) = _messages(r.stderr)
+    assert line.startswith("error: saving checkpoint step 2 ") and cause in line, line
+    assert not (tmp_path / "work" / "summary.md").exists()
+
+
+@pytest.mark.slow
+def test_rerunning_a_finished_workdir_redoes_nothing(tmp_path):
+    workdir = tmp_path / "work"
+    args = [f"--config={DEMO}:smoke", f"--workdir={workdir}"]
+    first = _main(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = workdir / "checkpoints"
+
+    def listing():
+        return {p: os.stat(checkpoints / p).st_mtime_ns for p in sorted(os.listdir(checkpoints))}
+
+    before, metrics = listing(), (workdir / "metrics.jsonl").read_text()
+    again = _main(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "the run is complete" in again.stdout and "--force" in again.stdout
+    assert "Held-out real-environment evaluation" in again.stdout  # the summary, printed
+    assert "[eval]" not in again.stdout  # no evaluation redone
+    assert listing() == before and not (checkpoints / "superseded").exists()
+    assert (workdir / "metrics.jsonl").read_text() == metrics
+
+    forced = _main(*args, "--force", cwd=tmp_path)
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert "the run is complete" not in forced.stdout
+    last = max(int(p) for p in before if p.isdigit())
+    assert os.listdir(checkpoints / "superseded") == [str(last)]  # the old final checkpoint
