@@ -139,6 +139,25 @@ def committed_runs(
     )
 
 
+def greedy_and_sampled_runs(
+    sampler, tokenizer, tasks, make_env, mesh, *, key, sampling, samples, max_new_tokens
+) -> tuple[list[RealEpisode], list[list[RealEpisode]]]:
+    """One greedy committed execution of each task (keyed by `key`), and `samples` sampled
+    ones (keyed by ``fold_in(key, 1 + s)``): the runs every score here is made of."""
+    run = lambda k, sp: committed_runs(
+        sampler,
+        tokenizer,
+        tasks,
+        make_env,
+        mesh,
+        key=k,
+        sampling=sp,
+        max_new_tokens=max_new_tokens,
+    )
+    greedy = run(key, SamplingParams(greedy=True))
+    return greedy, [run(jax.random.fold_in(key, 1 + s), sampling) for s in range(samples)]
+
+
 def evaluate(
     host_sampler,
     rehearse_sampler,
@@ -153,19 +172,18 @@ def evaluate(
     """The protocol of the module docstring. The samplers hold the params to evaluate."""
     layout = parallel.row_layout(mesh, len(tasks))
     mine = [tasks[i] for i in layout.rows]
-    run = lambda k, sampling: committed_runs(
+    sampled = SamplingParams(temperature=eval_cfg.temperature, top_p=eval_cfg.top_p)
+    greedy, per_sample = greedy_and_sampled_runs(
         host_sampler,
         tokenizer,
         tasks,
         make_env,
         mesh,
-        key=k,
-        sampling=sampling,
+        key=key,
+        sampling=sampled,
+        samples=AVG_SAMPLES,
         max_new_tokens=eval_cfg.max_new_tokens,
     )
-    greedy = run(key, SamplingParams(greedy=True))
-    sampled = SamplingParams(temperature=eval_cfg.temperature, top_p=eval_cfg.top_p)
-    per_sample = [run(jax.random.fold_in(key, 1 + s), sampled) for s in range(AVG_SAMPLES)]
     greedy_ok = np.asarray([r.success for r in greedy], np.float64)
     avg_ok = np.mean([[r.success for r in rs] for rs in per_sample], axis=0).astype(np.float64)
     m = real_env_metrics(greedy, everywhere=True)
@@ -218,19 +236,19 @@ def headroom(
     mean and the any-of success of `samples` sampled executions per task."""
     layout = parallel.row_layout(mesh, len(tasks))
     mine = [tasks[i] for i in layout.rows]
-    run = lambda k, sp: committed_runs(
+    greedy_runs, sampled_runs = greedy_and_sampled_runs(
         host_sampler,
         tokenizer,
         tasks,
         make_env,
         mesh,
-        key=k,
-        sampling=sp,
+        key=key,
+        sampling=sampling,
+        samples=samples,
         max_new_tokens=max_new_tokens,
     )
-    greedy = np.asarray([r.success for r in run(key, SamplingParams(greedy=True))], np.float64)
-    keys = [jax.random.fold_in(key, 1 + s) for s in range(samples)]
-    ok = np.asarray([[r.success for r in run(k, sampling)] for k in keys], np.float64)
+    greedy = np.asarray([r.success for r in greedy_runs], np.float64)
+    ok = np.asarray([[r.success for r in rs] for rs in sampled_runs], np.float64)
     scores = {"greedy": greedy, "pass@1": ok.mean(axis=0), "pass@k": ok.max(axis=0)}
     families = families_of(tasks)
     per_family = {name: by_family(v, mine, families, True) for name, v in scores.items()}

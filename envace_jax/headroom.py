@@ -19,13 +19,11 @@ import time
 
 import jax
 import ml_collections
-from flax import nnx
 
-from envace_jax.build import build_mesh, build_model, build_tokenizer
 from envace_jax.envs.demo import DemoEnv, generate_tasks
 from envace_jax.evaluation import headroom
 from envace_jax.metrics import table
-from envace_jax.rehearsal_eval import load_policies
+from envace_jax.rehearsal_eval import workdir_policies
 from envace_jax.sampling.chat_spec import turn_spec
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.sampler import Sampler
@@ -44,11 +42,7 @@ def headroom_table(by_policy: dict[str, dict[str, dict[str, float]]], k: int) ->
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     t0 = time.time()
-    mesh = build_mesh(config)
-    tokenizer = build_tokenizer(config)
-    model = build_model(config, tokenizer, mesh)
-    params = nnx.state(model, nnx.Param)
-    policies, info = load_policies(config, workdir, params, mesh)
+    mesh, tokenizer, model, policies, info = workdir_policies(config, workdir)
     chosen = {"warm start": policies["warm-start"]}
     if info["trained_step"] != info["warm_start_step"]:
         chosen[f"step {info['trained_step']}"] = policies["EnvACE"]

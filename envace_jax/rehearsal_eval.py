@@ -367,14 +367,20 @@ def plot(agg: dict, budgets: Sequence[int], png: str) -> None:
     plt.close(fig)
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    r = config.rehearsal
-    t_start = time.time()
+def workdir_policies(config: ml_collections.ConfigDict, workdir: str):
+    """(mesh, tokenizer, model, policies, info) of a job that evaluates a trained workdir's
+    policies (`load_policies`) with the config's architecture."""
     mesh = build_mesh(config)
     tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer, mesh)
-    params = nnx.state(model, nnx.Param)
-    policies, info = load_policies(config, workdir, params, mesh)
+    policies, info = load_policies(config, workdir, nnx.state(model, nnx.Param), mesh)
+    return mesh, tokenizer, model, policies, info
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    r = config.rehearsal
+    t_start = time.time()
+    mesh, tokenizer, model, policies, info = workdir_policies(config, workdir)
     print(
         f"EnvACE policy: checkpoint step {info['trained_step']} ({info['trained_phase']}); "
         f"warm-start policy: step {info['warm_start_step']} from {info['warm_start_from']}"

@@ -94,3 +94,27 @@ def test_headroom_pass_at_k_bounds(setup):
     for family, r in out.items():
         assert r["pass@1"] <= r["pass@k"] + 1e-9, family
     assert sum(r["tasks"] for f, r in out.items() if f != "all") == N_TASKS
+
+
+def test_headroom_job_on_a_trained_workdir(tmp_path):
+    """The headroom job reads a train job's workdir and writes its table and JSON: one row per
+    (family, policy), the trained policy beside the warm start when RL ran."""
+    import json
+
+    from envace_jax.configuration import validate
+    from envace_jax.jobs import run
+    from tests.conftest import demo_config
+
+    config = validate(demo_config("smoke"))
+    run(config, str(tmp_path))
+    config.job, config.eval.pass_k = "headroom", 2
+    out = run(validate(config), str(tmp_path))
+    assert set(out["policies"]) == {"warm start", "step 6"}
+    saved = json.loads((tmp_path / "headroom.json").read_text())
+    assert saved["pass_k"] == 2 and saved["policies"] == out["policies"]
+    for result in out["policies"].values():
+        assert result["all"]["tasks"] == config.data.eval_tasks
+        r = result["all"]
+        assert 0 <= r["greedy"] <= 1 and r["pass@1"] <= r["pass@k"]
+    table = (tmp_path / "headroom.md").read_text()
+    assert "| all | warm start |" in table and "pass@2" in table
