@@ -129,13 +129,17 @@ def main(argv):
         _fail(e, 2)
     if missing := _missing_paths(config):
         _fail("; ".join(missing), 2)
+    workdir = os.path.abspath(_WORKDIR.value)
+    os.makedirs(workdir, exist_ok=True)
+    # Library INFO lines (JAX, Orbax, absl) go to workdir/job.INFO; warnings still reach the
+    # console beside the progress lines and the summary.
+    logging.get_absl_handler().use_absl_log_file("job", workdir)
+    flags.FLAGS.stderrthreshold = "warning"
     from envace_jax import parallel
 
     parallel.initialize_distributed()
     import jax
 
-    workdir = os.path.abspath(_WORKDIR.value)
-    os.makedirs(workdir, exist_ok=True)
     # A job run on a train workdir (rehearsal_eval) keeps the train job's config.json.
     name = "config.json" if config.job == "train" else f"{config.job}_config.json"
     if jax.process_index() == 0:

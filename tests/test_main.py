@@ -103,6 +103,11 @@ def test_smoke_run_writes_config_and_export(tmp_path):
     assert saved["seed"] == 3
     assert (workdir / "export" / "config.json").exists()
     assert "Held-out real-environment evaluation" in r.stdout
+    # A quiet console: library INFO lines (Orbax's, JAX's) go to the workdir's log file.
+    console = (r.stdout + r.stderr).splitlines()
+    assert not [line for line in console if line.startswith("I1")], console[:5]
+    assert len([line for line in console if not line.startswith("[")]) <= 40
+    assert "checkpoint" in (workdir / "job.INFO").read_text()
 
 
 def test_cli_override_of_unknown_key_fails_naming_it(tmp_path):
@@ -121,7 +126,8 @@ def test_cli_bad_value_fails_before_building_anything(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "variant", [None, "smoke", "base", "smollm2", "rehearsal_eval", "rehearsal_eval_smoke"]
+    "variant",
+    [None, "smoke", "base", "smollm2", "rehearsal_eval", "rehearsal_eval_smoke", "headroom"],
 )
 def test_every_demo_variant_validates(variant):
     validate(demo_config(variant))
