@@ -120,17 +120,21 @@ _HEADLINE = tuple(
 )
 
 
+def my_tasks(mesh, tasks: Sequence[Any]) -> list[Any]:
+    """The tasks whose rows this process runs (all of them on one host)."""
+    return [tasks[i] for i in parallel.row_layout(mesh, len(tasks)).rows]
+
+
 def committed_runs(
     sampler, tokenizer, tasks, make_env, mesh, *, key, sampling, max_new_tokens
 ) -> list[RealEpisode]:
     """One committed execution of each of `tasks` (this process's rows of them on a multi-host
     mesh; every process calls this together)."""
     layout = parallel.row_layout(mesh, len(tasks))
-    mine = [tasks[i] for i in layout.rows]
     return real_env_rollouts(
         sampler,
         tokenizer,
-        mine,
+        [tasks[i] for i in layout.rows],
         make_env,
         key=key,
         sampling=sampling,
@@ -170,8 +174,7 @@ def evaluate(
     key: jax.Array,
 ) -> EvalResult:
     """The protocol of the module docstring. The samplers hold the params to evaluate."""
-    layout = parallel.row_layout(mesh, len(tasks))
-    mine = [tasks[i] for i in layout.rows]
+    mine = my_tasks(mesh, tasks)
     sampled = SamplingParams(temperature=eval_cfg.temperature, top_p=eval_cfg.top_p)
     greedy, per_sample = greedy_and_sampled_runs(
         host_sampler,
@@ -234,8 +237,7 @@ def headroom(
 ) -> dict[str, dict[str, float]]:
     """{family or 'all': {'tasks', 'greedy', 'pass@1', 'pass@k'}}: greedy success, and the
     mean and the any-of success of `samples` sampled executions per task."""
-    layout = parallel.row_layout(mesh, len(tasks))
-    mine = [tasks[i] for i in layout.rows]
+    mine = my_tasks(mesh, tasks)
     greedy_runs, sampled_runs = greedy_and_sampled_runs(
         host_sampler,
         tokenizer,
