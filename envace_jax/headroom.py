@@ -20,7 +20,7 @@ import time
 import jax
 import ml_collections
 
-from envace_jax.envs.demo import DemoEnv, generate_tasks
+from envace_jax.envs.registry import domain
 from envace_jax.evaluation import headroom
 from envace_jax.metrics import table
 from envace_jax.rehearsal_eval import workdir_policies
@@ -51,7 +51,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         tokenizer, mode="host", max_turns=r.max_turns, max_message_tokens=r.max_message_tokens
     )
     sampler = Sampler(model, spec, pad_id=tokenizer.pad_token_id)
-    tasks = generate_tasks(config.seed, config.data.eval_tasks, split="validation")
+    env_domain = domain(config.data.env)
+    tasks = env_domain.held_out_tasks(config)
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p)
     k = config.eval.pass_k
     key = jax.random.fold_in(jax.random.key(config.seed), 7)
@@ -63,7 +64,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
             sampler,
             tokenizer,
             tasks,
-            DemoEnv,
+            env_domain.make_env,
             mesh,
             key=key,
             sampling=sampling,

@@ -44,24 +44,27 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
 
 from envace_jax import checkpoint as ckpt_lib
 from envace_jax.build import build_mesh, build_model, build_tokenizer
-from envace_jax.envs.demo import DemoEnv, generate_tasks
+from envace_jax.envs.registry import domain
 from envace_jax.metrics import table
-from envace_jax.rl.optim import OptimConfig, make_optimizer
-from envace_jax.rl.steps import TrainState, make_shardings
 from envace_jax.rollout import memory as mem
 from envace_jax.rollout.test_time import MODES, Committed, TestTimeRehearsal
 from envace_jax.sampling.distributions import SamplingParams
-from envace_jax.trainer import WARM_START_DIR
+from envace_jax.workdir import (
+    ARCH_KEYS,
+    checkpoint_target,
+    config_differences,
+    config_json,
+    find_warm_start,
+    run_dirs,
+)
 
 REHEARSERS = ("EnvACE", "warm-start")
-_ARCH_KEYS = ("tokenizer", "model")  # what must match between this config and the checkpoint
 
 
 class RehearsalEvalError(ValueError):
@@ -76,59 +79,17 @@ def train_dirs(config: ml_collections.ConfigDict, workdir: str) -> tuple[str, st
     which may name the train workdir or its checkpoints/ directory."""
     root = os.path.abspath(config.rehearsal.checkpoint_dir or workdir)
     where = f"config.rehearsal.checkpoint_dir={config.rehearsal.checkpoint_dir!r}"
-    if os.path.isdir(os.path.join(root, "checkpoints")):
-        return os.path.join(root, "checkpoints"), root
-    if os.path.basename(root) == "checkpoints" and os.path.isdir(root):
-        return root, os.path.dirname(root)
+    if dirs := run_dirs(root):
+        return dirs
     raise RehearsalEvalError(
         f"{where} (workdir {workdir!r}): no train job output at {root} (expected a checkpoints/ "
         "directory); run the train job there first or point the key at its workdir"
     )
 
 
-def _abstract(params, mesh, tx=None):
-    """Abstract pytree (shape, dtype, sharding) of `params`, or of a TrainState with `tx`."""
-    sh = make_shardings(mesh, params, tx or make_optimizer(OptimConfig()), (1, 8))
-    if tx is None:
-        shapes, shardings = jax.eval_shape(lambda p: p, params), sh.state.params
-    else:
-        shapes = jax.eval_shape(
-            lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p)),
-            params,
-        )
-        shardings = sh.state
-    return jax.tree.map(
-        lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), shapes, shardings
-    )
-
-
-def _state_target(params, mesh):
-    """A target for a train-job checkpoint: a TrainState with the optimizer of its phase,
-    built from the config saved in the checkpoint."""
-
-    def target(step: int, meta: dict):
-        cfg = meta.get("config") or {}
-        section = "sft_optim" if meta.get("phase") == "sft" else "optim"
-        try:
-            tx = make_optimizer(OptimConfig.from_config(cfg.get(section, {}), section))
-        except ValueError as e:
-            raise RehearsalEvalError(f"checkpoint step {step}: its config.{section}: {e}") from e
-        return _abstract(params, mesh, tx)
-
-    return target
-
-
 def check_architecture(config: ml_collections.ConfigDict, saved: dict, where: str) -> None:
     """Raises naming every architecture key whose value differs from the checkpoint's."""
-    ours = json.loads(json.dumps(config.to_dict()))
-    differ = []
-    for key in _ARCH_KEYS:
-        a, b = ours.get(key), saved.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            differ += [f"{key}.{k}={b.get(k)!r}" for k in a if a.get(k) != b.get(k)]
-        elif a != b:
-            differ.append(f"{key}={b!r}")
-    if differ:
+    if differ := config_differences(config_json(config), saved, ARCH_KEYS):
         flags = " ".join(f"--config.{d}" for d in differ)
         raise RehearsalEvalError(
             f"{where} was trained with another architecture; pass {flags} (or the config "
@@ -137,48 +98,35 @@ def check_architecture(config: ml_collections.ConfigDict, saved: dict, where: st
 
 
 def load_policies(config, workdir, params, mesh) -> tuple[dict[str, Any], dict[str, Any]]:
-    """({'EnvACE': params, 'warm-start': params}, info) from the train workdir."""
+    """({'EnvACE': params, 'warm-start': params}, info) from the train workdir: the newest
+    readable checkpoint, and its run's warm start (`workdir.find_warm_start`)."""
     ckpt_dir, base = train_dirs(config, workdir)
     with ckpt_lib.Checkpointer(ckpt_dir, keep=1_000_000) as ckpt:
         if ckpt.latest_step() is None:
             raise RehearsalEvalError(f"{ckpt_dir}: no finished checkpoint to evaluate")
         try:
-            step, state, meta = ckpt.restore(_state_target(params, mesh))
-        except ckpt_lib.CheckpointError as e:
+            step, state, meta = ckpt.restore(checkpoint_target(params, mesh))
+        except (ckpt_lib.CheckpointError, ValueError) as e:
             raise RehearsalEvalError(
                 f"{ckpt_dir}: no checkpoint restores as one policy's train state ({e}); "
                 "rehearsal_eval evaluates single-policy runs (mode 'envace')"
             ) from e
-        check_architecture(config, meta.get("config") or {}, f"checkpoint {ckpt_dir}/{step}")
-        trained = state.params
-        sft_steps = (meta.get("config") or {}).get("schedule", {}).get("sft_steps")
-        warm_dir = os.path.join(base, WARM_START_DIR)
-        if os.path.isdir(warm_dir):
-            with ckpt_lib.Checkpointer(warm_dir, keep=1_000_000) as keeper:
-                warm_step, warm, warm_meta = keeper.restore(_abstract(params, mesh))
-            warm_from = warm_dir
-        elif sft_steps is not None and sft_steps in ckpt.all_steps():
-            warm_step, warm_state, warm_meta = ckpt.restore(
-                _state_target(params, mesh), step=sft_steps
-            )
-            warm, warm_from = warm_state.params, f"{ckpt_dir}/{sft_steps}"
-        else:
-            raise RehearsalEvalError(
-                f"no warm-start policy in {base}: {WARM_START_DIR}/ is missing (the train job "
-                "writes it when config.rehearsal.keep_warm_start=True) and checkpoints/ has no "
-                f"step schedule.sft_steps={sft_steps} (it has {ckpt.all_steps()}; raise "
-                "schedule.keep_checkpoints to keep it)"
-            )
+    check_architecture(config, meta.get("config") or {}, f"checkpoint {ckpt_dir}/{step}")
+    sft_steps = (meta.get("config") or {}).get("schedule", {}).get("sft_steps")
+    try:
+        warm = find_warm_start(base, sft_steps, params, mesh, f"no warm-start policy in {base}")
+    except ValueError as e:
+        raise RehearsalEvalError(str(e)) from e
     info = {
         "train_workdir": base,
         "trained_step": step,
         "trained_phase": meta.get("phase"),
-        "warm_start_step": warm_step,
-        "warm_start_from": warm_from,
+        "warm_start_step": warm.step,
+        "warm_start_from": warm.source,
         "train_final_eval": meta.get("final_eval"),
-        "train_warm_start_eval": warm_meta.get("sft_eval"),
+        "train_warm_start_eval": warm.meta.get("sft_eval"),
     }
-    return {"EnvACE": trained, "warm-start": warm}, info
+    return {"EnvACE": state.params, "warm-start": warm.params}, info
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -224,15 +172,18 @@ def _row_stats(committed: Committed, tasks, plans=None, any_ok=None) -> dict[str
     return out
 
 
-def evaluate_seed(ttr: TestTimeRehearsal, policies, tasks, budgets, key, eval_cfg) -> dict:
-    """Every row of the table for one task set: {row name: {budget: stats}}."""
+def evaluate_seed(
+    ttr: TestTimeRehearsal, policies, tasks, budgets, key, eval_cfg, make_env
+) -> dict:
+    """Every row of the table for one task set (run in environments from `make_env`):
+    {row name: {budget: stats}}."""
     n = max(budgets)
     executor = policies["EnvACE"]
     commit = lambda params, tasks_, memories, k: ttr.commit(  # noqa: E731
         params,
         tasks_,
         memories,
-        DemoEnv,
+        make_env,
         key=k,
         sampling=SamplingParams(greedy=True),
         max_new_tokens=eval_cfg.max_new_tokens,
@@ -398,13 +349,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         commit_rows=r.commit_rows,
     )
     budgets = tuple(sorted(set(r.budgets)))
+    env_domain = domain(config.data.env)
     per_seed = []
     for s in range(r.seeds):
         t0 = time.time()
-        tasks = generate_tasks(config.seed + s, r.tasks, r.split)
+        tasks = env_domain.generate_tasks(config.seed + s, r.tasks, r.split)
         key = jax.random.fold_in(jax.random.key(config.seed), 1000 + s)
         print(f"[rehearsal eval] seed {s + 1}/{r.seeds}: {len(tasks)} {r.split} tasks", flush=True)
-        per_seed.append(evaluate_seed(ttr, policies, tasks, budgets, key, config.eval))
+        per_seed.append(
+            evaluate_seed(ttr, policies, tasks, budgets, key, config.eval, env_domain.make_env)
+        )
         done = time.time() - t_start
         eta = done / (s + 1) * (r.seeds - s - 1)
         last = per_seed[-1]

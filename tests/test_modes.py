@@ -203,7 +203,7 @@ def warm_start(tmp_path_factory):
 
 def _warm_params(trainer):
     """The warm start's params, restored the way the trainer loads them."""
-    _, state, _ = trainer._load_warm_start(trainer.config.schedule.warm_start_dir)
+    _, state, _ = trainer.load_warm_start(trainer.config.schedule.warm_start_dir)
     return state.params
 
 
@@ -232,14 +232,14 @@ class _Recorder:
     "mode", ["envace", "envace_noshare", "external_simulator", "grpo_real_env"]
 )
 def test_each_mode_trains_from_the_shared_warm_start(warm_start, tmp_path, mode):
-    from envace_jax.trainer import RoleParams, Trainer
+    from envace_jax.strategies import RoleParams
+    from envace_jax.trainer import Hooks, Trainer
 
-    trainer = Trainer(smoke(mode, warm_start), str(tmp_path))
+    captured = {}
+    hooks = Hooks(on_finish=lambda state: captured.setdefault("state", state))
+    trainer = Trainer(smoke(mode, warm_start), str(tmp_path), hooks)
     warm = _warm_params(trainer)
     rec = _Recorder(trainer)
-    captured = {}
-    finish = trainer._finish
-    trainer._finish = lambda state, *a: (captured.setdefault("state", state), finish(state, *a))[1]
     out = trainer.run()
     state = captured["state"]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -290,7 +290,7 @@ def test_each_mode_trains_from_the_shared_warm_start(warm_start, tmp_path, mode)
     from envace_jax import checkpoint as ckpt_lib
 
     ckpt = ckpt_lib.Checkpointer(os.path.join(tmp_path, "checkpoints"))
-    step, restored, meta = ckpt.restore(lambda s, meta: trainer._abstract_state("rl"))
+    step, restored, meta = ckpt.restore(lambda s, meta: trainer.abstract_state("rl"))
     ckpt.close()
     assert meta["phase"] == "done" and meta["warm_start_dir"] == warm_start
     assert _max_change(restored.params, state.params) == 0.0
@@ -305,31 +305,29 @@ def test_a_train_jobs_workdir_gives_the_warm_start_it_kept(warm_start, tmp_path)
     first = str(tmp_path / "first")
     Trainer(smoke("envace", warm_start), first).run()
     longer = Trainer(smoke("envace", first, **{"schedule.rl_steps": 6}), str(tmp_path / "b"))
-    step, state, meta = longer._load_warm_start(first)
-    _, shared, shared_meta = longer._load_warm_start(warm_start)
+    step, state, meta = longer.load_warm_start(first)
+    _, shared, shared_meta = longer.load_warm_start(warm_start)
     assert step == 4 and meta["warm_start_dir"] == first
     assert _max_change(state.params, shared.params) == 0.0
     assert meta["warm_start_eval"] == shared_meta["warm_start_eval"]
 
 
-def test_an_unreadable_warm_start_checkpoint_falls_back_to_the_kept_copy(
-    warm_start, tmp_path, capsys
-):
-    """The checkpoint at step sft_steps is corrupt: the copy the run kept in warm_start/ is
-    used, with a warning; without that copy, the error names the unreadable checkpoint."""
+def test_an_unreadable_kept_warm_start_falls_back_to_the_checkpoint(warm_start, tmp_path, capsys):
+    """The copy kept in warm_start/ comes first; when it is corrupt, the checkpoint at step
+    sft_steps is used, with a warning; when that is unreadable too, the error names it."""
     from envace_jax.trainer import Trainer
 
     copy = tmp_path / "warm"
     shutil.copytree(warm_start, copy)
-    (copy / "checkpoints" / "4" / "meta" / "metadata").write_text("{not json")
+    (copy / "warm_start" / "4" / "meta" / "metadata").write_text("{not json")
     trainer = Trainer(smoke("envace", str(copy)), str(tmp_path / "run"))
-    step, state, _ = trainer._load_warm_start(str(copy))
-    _, shared, _ = trainer._load_warm_start(warm_start)
+    step, state, _ = trainer.load_warm_start(str(copy))
+    _, shared, _ = trainer.load_warm_start(warm_start)
     assert step == 4 and _max_change(state.params, shared.params) == 0.0
     assert "warning:" in capsys.readouterr().out
-    shutil.rmtree(copy / "warm_start")
-    with pytest.raises(ValueError, match=r"checkpoint there is unreadable: checkpoint step 4"):
-        trainer._load_warm_start(str(copy))
+    (copy / "checkpoints" / "4" / "meta" / "metadata").write_text("{not json")
+    with pytest.raises(ValueError, match=r"checkpoint there is unreadable: checkpoint step 4 in"):
+        trainer.load_warm_start(str(copy))
 
 
 def test_warm_start_from_another_config_is_refused(warm_start, tmp_path):

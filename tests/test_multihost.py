@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 sys.path.insert(0, os.path.join(sys.argv[7], "configs"))
 import demo
 from envace_jax.configuration import validate
-from envace_jax.trainer import Trainer
+from envace_jax.trainer import Hooks, Trainer
 
 c = demo.get_config("smoke")
 c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 2, 2
@@ -46,11 +46,17 @@ c.schedule.eval_every, c.schedule.log_every = 0, 1
 c.schedule.checkpoint_dir = ckpt_dir
 c.data.eval_tasks, c.eval.fidelity_tasks, c.eval.max_new_tokens = 2, 2, 32
 c.rollout.max_new_tokens = 32
-trainer = Trainer(validate(c), workdir)
+final = {}
+def keep(state):
+    gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    final.update({
+        "/".join(map(str, p)): gather(v.get_value()) for p, v in nnx.to_flat_state(state.params)
+    })
+trainer = Trainer(validate(c), workdir, Hooks(on_finish=keep))
 assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
 
 built = {"sft": [], "rl": []}
-sft_batch, rollouts = trainer._sft_batch, trainer.rollouts
+sft_batch, rollouts = trainer.sft_batch, trainer.rollouts
 def count_sft(indices):
     batch = sft_batch(indices)
     built["sft"].append([int(r) for r in trainer.sft_layout.rows])
@@ -59,17 +65,8 @@ def count_rl(*args, **kwargs):
     rb = rollouts(*args, **kwargs)
     built["rl"].append(len(rb.episodes))
     return rb
-trainer._sft_batch, trainer.rollouts = count_sft, count_rl
+trainer.sft_batch, trainer.rollouts = count_sft, count_rl
 
-final = {}
-finish = trainer._finish
-def keep(state, *args):
-    gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    final.update({
-        "/".join(map(str, p)): gather(v.get_value()) for p, v in nnx.to_flat_state(state.params)
-    })
-    return finish(state, *args)
-trainer._finish = keep
 trainer.run()
 np.savez(out + ".npz", **final)
 with open(out + ".json", "w") as f:

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from envace_jax.configuration import validate
-from envace_jax.trainer import Trainer, TrainingDiverged
+from envace_jax.trainer import Hooks, Trainer, TrainingDiverged
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
@@ -46,25 +46,17 @@ class Stop(Exception):
 def _run(config, workdir, stop_after_save=None):
     """Runs the trainer; with stop_after_save=s, raises Stop right after checkpoint s is saved
     (an interruption at a known point)."""
-    trainer = Trainer(config, str(workdir))
-    if stop_after_save is not None:
-        save = trainer._save
-
-        def save_then_stop(step, state, meta):
-            save(step, state, meta)
-            if step == stop_after_save:
-                trainer.checkpointer.wait()
-                raise Stop(step)
-
-        trainer._save = save_then_stop
     captured = {}
-    finish = trainer._finish
 
-    def keep_state(state, *args):
+    def stop_after(step, state, meta):
+        if step == stop_after_save:
+            trainer.run_dir.checkpointer.wait()
+            raise Stop(step)
+
+    def keep_state(state):
         captured["params"] = _flat(state.params)
-        return finish(state, *args)
 
-    trainer._finish = keep_state
+    trainer = Trainer(config, str(workdir), Hooks(on_checkpoint=stop_after, on_finish=keep_state))
     out = trainer.run()
     return out, captured["params"]
 
@@ -160,8 +152,8 @@ def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, ca
         TrainingDiverged, match=r"RL step 6: loss=nan.*last good checkpoint is step 5"
     ):
         trainer.run()
-    trainer.checkpointer.wait()
-    assert max(trainer.checkpointer.all_steps()) == 5
+    trainer.run_dir.checkpointer.wait()
+    assert max(trainer.run_dir.checkpointer.all_steps()) == 5
 
 
 def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path, capsys, caplog):
@@ -181,7 +173,7 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path, capsys, c
                 garbled += 1
     assert garbled
     trainer = Trainer(config, str(tmp_path))
-    step, state, meta = trainer._restore()
+    step, state, meta = trainer.restore()
     assert step == 2
     warnings = caplog.text + capsys.readouterr().out
     assert "3" in warnings and (

@@ -1,0 +1,91 @@
+"""The train job's report in its workdir: curves.png, summary.md and summary.json."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from collections.abc import Sequence
+
+from envace_jax.evaluation import EvalResult
+from envace_jax.metrics import plot_curves, read_metrics, table
+
+CURVES = [
+    ("rl", "rollout_reward", "rollout reward (train)"),
+    ("eval", "success", "real-env success (held out)"),
+    ("eval", "fidelity", "rehearsal fidelity (held out)"),
+]
+OUTPUTS = "metrics.jsonl, tensorboard/, curves.png, summary.md, summary.json, checkpoints/, export/"
+
+
+def summary_record(ev: EvalResult) -> dict[str, float]:
+    """The headline numbers of one evaluation, as summary.json keeps them."""
+    return {
+        "success_greedy": ev.success,
+        "success_greedy_se": ev.success_se,
+        "success_avg4": ev.success_avg4,
+        "success_avg4_se": ev.success_avg4_se,
+        "reward": ev.reward,
+        "fidelity": ev.fidelity,
+    }
+
+
+def summary_tables(warm: EvalResult, final: EvalResult, trained: str, tasks) -> str:
+    """summary.md: the headline table (greedy and avg@4 with their standard errors), then
+    success per task family."""
+    pm = lambda v, se: f"{v:.3f} ± {se:.3f}"
+    header = ["policy", "success (greedy)", "success (avg@4)", "reward", "tool errors"]
+    header += ["invalid", "fidelity"]
+    rows = [
+        [
+            name,
+            pm(ev.success, ev.success_se),
+            pm(ev.success_avg4, ev.success_avg4_se),
+            ev.reward,
+            ev.tool_error_rate,
+            ev.invalid_rate,
+            ev.fidelity,
+        ]
+        for name, ev in (("warm start (SFT)", warm), (trained, final))
+    ]
+    text = table(rows, header)
+    if families := sorted({*warm.by_family, *final.by_family}):
+        counts = collections.Counter(t.metadata.get("family") for t in tasks)
+        get = lambda d, f: d.get(f, "-")
+        rows = [
+            [f, counts[f], get(warm.by_family, f), get(warm.by_family_avg4, f)]
+            + [get(final.by_family, f), get(final.by_family_avg4, f)]
+            for f in families
+        ]
+        header = ["task family", "tasks", "warm start greedy", "warm start avg@4"]
+        header += [f"{trained} greedy", f"{trained} avg@4"]
+        text += "\n\nSuccess by task family:\n\n" + table(rows, header)
+    return text
+
+
+def write_report(
+    workdir: str,
+    metrics_path: str,
+    warm: EvalResult,
+    final: EvalResult,
+    trained: str,
+    mode: str,
+    tasks: Sequence,
+    seconds: float,
+) -> None:
+    """Writes the curves and the summary of a finished train job, and prints the summary;
+    `trained` names the final evaluation's row."""
+    plot_curves(read_metrics(metrics_path), os.path.join(workdir, "curves.png"), CURVES)
+    summary = summary_tables(warm, final, trained, tasks)
+    summary_json = {
+        "tasks": len(tasks),
+        "mode": mode,
+        **{name: summary_record(ev) for name, ev in (("warm_start", warm), ("final", final))},
+    }
+    with open(os.path.join(workdir, "summary.md"), "w") as f:
+        f.write(summary + "\n")
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary_json, f, indent=1)
+    print(f"\nHeld-out real-environment evaluation ({len(tasks)} tasks):\n{summary}")
+    print(f"\nworkdir: {workdir} ({OUTPUTS})")
+    print(f"total time {seconds:.0f}s")

@@ -1,0 +1,232 @@
+"""A run's directory: what the train job writes there and what other jobs read back from it.
+
+    <workdir>/
+      checkpoints/<step>/         train state, rotating (`schedule.checkpoint_dir` when set)
+      warm_start/<S>/             the warm start's params, kept apart from the rotation
+      export/, export_rehearse/   HF safetensors of the acting policy (and of a trained rehearser)
+      metrics.jsonl, tensorboard/, curves.png, summary.md, summary.json   (`metrics`, `report`)
+
+`RunDir` is the train job's side (save, resume, keep the warm start, export). The readers, a
+train job that starts from another run's warm start and the jobs that evaluate a trained
+workdir (`rehearsal_eval`, `headroom`), find a warm start with `find_warm_start`, restore a
+checkpoint with `checkpoint_target`, and refuse an incompatible run with `config_differences`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from envace_jax import checkpoint as ckpt_lib
+from envace_jax.models.hf_io import save_hf_model
+from envace_jax.rl.optim import OptimConfig, make_optimizer
+from envace_jax.rl.steps import TrainState, make_shardings
+from envace_jax.rollout.modes import mode_spec
+
+CHECKPOINTS = "checkpoints"
+WARM_START_DIR = "warm_start"
+_READ_ONLY_KEEP = 1_000_000  # a reader never rotates another run's checkpoints away
+
+ARCH_KEYS = ("tokenizer", "model")  # what makes a run's params load into this config's model
+# What makes two warm starts the same computation (the seed may differ: it then seeds the RL
+# phase and the held-out tasks only).
+WARM_START_KEYS = (*ARCH_KEYS, "data", "sft", "sft_optim")
+WARM_START_KEYS += ("schedule.sft_steps", "schedule.sft_batch_size")
+EVAL_KEYS = ("seed", "eval")  # what makes two evaluations of the same params the same
+
+
+def config_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The config as checkpoint meta saves it (tuples become lists, as JSON has them)."""
+    return json.loads(json.dumps(config.to_dict()))
+
+
+def config_differences(ours: dict, theirs: dict, keys: Sequence[str]) -> list[str]:
+    """`key=their value` for every dotted key in `keys` whose value differs between two saved
+    configs; a section that differs is named entry by entry (`model.hidden_size=64`)."""
+
+    def get(d: dict, key: str):
+        for part in key.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return d
+
+    differ = []
+    for key in keys:
+        a, b = get(ours, key), get(theirs, key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            differ += [f"{key}.{k}={b.get(k)!r}" for k in {**a, **b} if a.get(k) != b.get(k)]
+        elif a != b:
+            differ.append(f"{key}={b!r}")
+    return differ
+
+
+# ------------------------------------------------------------------------ restore targets
+
+
+def abstract_train_state(params: Any, tx, shardings: TrainState) -> TrainState:
+    """The restore target of a TrainState of `params` with optimizer `tx`: ShapeDtypeStructs
+    placed by `shardings` (a TrainState of shardings, `StepShardings.state`)."""
+    shapes = jax.eval_shape(
+        lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p)),
+        params,
+    )
+    return jax.tree.map(
+        lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), shapes, shardings
+    )
+
+
+def phase_at(step: int, sft_steps: int, rl_steps: int) -> str:
+    """The phase whose optimizer a train job's state at global `step` carries: 'sft' or 'rl'
+    (step sft_steps opens the RL phase; a run without RL keeps the warm start's to the end)."""
+    return "sft" if step < sft_steps or rl_steps == 0 else "rl"
+
+
+def checkpoint_target(params: Any, mesh) -> Callable[[int, dict], TrainState]:
+    """A restore target for a single-policy train-job checkpoint: a TrainState of `params`'s
+    layout with the optimizer of its phase, built from the config saved with it."""
+
+    def target(step: int, meta: dict) -> TrainState:
+        cfg = meta.get("config") or {}
+        s = cfg.get("schedule", {})
+        trains = mode_spec(cfg.get("mode", "envace")).rollout != "none"
+        phase = phase_at(step, s.get("sft_steps", 0), s.get("rl_steps", 0) if trains else 0)
+        section = "sft_optim" if phase == "sft" else "optim"
+        try:
+            tx = make_optimizer(OptimConfig.from_config(cfg.get(section, {}), section))
+        except ValueError as e:
+            raise ValueError(f"checkpoint step {step}: its config.{section}: {e}") from e
+        return abstract_train_state(params, tx, make_shardings(mesh, params, tx, (1, 8)).state)
+
+    return target
+
+
+def params_target(params: Any, mesh) -> Any:
+    """A restore target for params alone (the kept warm start), placed as the train step's."""
+    tx = make_optimizer(OptimConfig())
+    return abstract_train_state(params, tx, make_shardings(mesh, params, tx, (1, 8)).state).params
+
+
+# ------------------------------------------------------------------- another run's output
+
+
+def run_dirs(path: str) -> tuple[str, str] | None:
+    """(checkpoints directory, workdir) of `path`, a run's workdir or its checkpoints/
+    directory; None when it is neither."""
+    root = os.path.abspath(path)
+    if os.path.isdir(os.path.join(root, CHECKPOINTS)):
+        return os.path.join(root, CHECKPOINTS), root
+    if os.path.basename(root) == CHECKPOINTS and os.path.isdir(root):
+        return root, os.path.dirname(root)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+    step: int  # the global step it ended on
+    params: Any
+    meta: dict  # as saved: the run's `config` and its evaluation `sft_eval`
+    source: str  # the directory and step it was read from
+
+
+def find_warm_start(path: str, sft_steps: int | None, params: Any, mesh, where: str) -> WarmStart:
+    """The warm start of the run at `path` (a workdir or its checkpoints/), at global step
+    `sft_steps` (None: the kept copy's step). `params` gives the layout, `where` prefixes errors.
+
+    Precedence: the copy in warm_start/ first, as it is exactly the warm start's params and
+    never rotated away; then the checkpoint at step sft_steps. An unreadable candidate is
+    skipped with a warning; ValueError names every candidate when none gives a warm start."""
+    dirs = run_dirs(path)
+    if dirs is None:
+        raise ValueError(
+            f"{where}: no checkpoint at the end of a {sft_steps}-step warm start: {path} is "
+            f"neither a train job's workdir nor its {CHECKPOINTS}/ directory"
+        )
+    checkpoints, root = dirs
+    problems = []
+    kept = os.path.join(root, WARM_START_DIR)
+    candidates = [(kept, lambda: params_target(params, mesh))]
+    candidates.append((checkpoints, lambda: checkpoint_target(params, mesh)))
+    for directory, target in candidates:
+        if not os.path.isdir(directory):
+            problems.append(f"no {WARM_START_DIR}/ (a train job keeps its warm start there)")
+            continue
+        with ckpt_lib.Checkpointer(directory, keep=_READ_ONLY_KEEP) as ckpt:
+            step, steps = sft_steps, ckpt.all_steps()
+            if step is None and directory == kept:
+                step = ckpt.latest_step()
+            if step is None or step not in steps:
+                problems.append(f"{directory} has no step {step} (found steps {steps})")
+                continue
+            try:
+                _, restored, meta = ckpt.restore(target(), step=step)
+            except ckpt_lib.CheckpointError as e:
+                problems.append(f"the checkpoint there is unreadable: {e}")
+                print(f"warning: {where}: {problems[-1]}; trying the next candidate")
+                continue
+        got = restored if directory == kept else restored.params
+        return WarmStart(step, got, meta, f"{directory}/{step}")
+    raise ValueError(
+        f"{where}: no checkpoint at the end of a {sft_steps}-step warm start "
+        f"({'; '.join(problems)}; a run with rl_steps=0 or mode='sft_only' ends on one, and "
+        "schedule.keep_checkpoints keeps it)"
+    )
+
+
+# ------------------------------------------------------------------------ the train job's
+
+
+class RunDir:
+    """The train job's checkpoints, kept warm start and exports."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        s = config.schedule
+        self.path = workdir
+        self.config = config_json(config)
+        # Checkpoints (and the kept warm start beside them) go where every process can write:
+        # schedule.checkpoint_dir (e.g. gs://...) when the processes have a workdir each.
+        checkpoints = s.checkpoint_dir.rstrip("/") or os.path.join(workdir, CHECKPOINTS)
+        self.warm_start_dir = os.path.join(os.path.dirname(checkpoints), WARM_START_DIR)
+        self.checkpointer = ckpt_lib.Checkpointer(checkpoints, keep=s.keep_checkpoints)
+
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+        self.checkpointer.save(step, state, dict(meta, global_step=step, config=self.config))
+
+    def latest(self, target) -> tuple[int, Any, dict[str, Any]]:
+        """The newest readable checkpoint (a corrupt one is skipped with a warning, in step
+        with every process of a multi-host run), or (0, None, {}) when there is none."""
+        if self.checkpointer.latest_step() is None:
+            return 0, None, {}
+        return self.checkpointer.restore(target)
+
+    def keep_warm_start(self, step: int, params: Any, meta: dict[str, Any]) -> None:
+        """Saves the warm-start params (global step `step`) in warm_start/ beside the checkpoint
+        directory, apart from the rotating checkpoints: test-time rehearsal evaluates them as a
+        rehearser, and other runs start from them."""
+        keeper = ckpt_lib.Checkpointer(self.warm_start_dir, keep=1, async_save=False)
+        try:
+            keeper.save(step, params, {**meta, "phase": "warm_start", "config": self.config})
+        finally:
+            keeper.close()
+
+    def kept_warm_start(self, step: int, target: Any, why: str) -> Any:
+        """The params kept by `keep_warm_start` at `step`; `why` names who needs them."""
+        if not os.path.isdir(self.warm_start_dir):
+            raise ValueError(
+                f"{why} needs the warm start kept in {self.warm_start_dir} "
+                "(config.rehearsal.keep_warm_start=True)"
+            )
+        with ckpt_lib.Checkpointer(self.warm_start_dir, keep=1) as keeper:
+            return keeper.restore(target, step=step)[1]
+
+    def export(self, name: str, model, tokenizer) -> None:
+        """HF safetensors of `model` (an nnx module) in `<workdir>/<name>/`."""
+        save_hf_model(model, model.cfg, os.path.join(self.path, name), tokenizer=tokenizer)
+
+    def close(self) -> None:
+        self.checkpointer.close()
