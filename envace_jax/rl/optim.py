@@ -1,68 +1,17 @@
 """The Optax optimizer from config: global-norm clipping, then AdamW on a warmup schedule.
 
-Defaults follow the reference (torch AdamW, lr 1e-6 constant, betas 0.9/0.999, eps 1e-8,
-weight decay 0.01 on every parameter, grad clip 1.0).
+The config section and its defaults (the reference's) are `envace_jax.rl.config.OptimConfig`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from envace_jax.rl import config as _config
-
-SCHEDULES = ("constant", "cosine", "linear")
-DECAY_MASKS = ("all", "matrices")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """AdamW with global-norm clipping; the `optim` config section."""
-
-    learning_rate: float = 1e-6  # Peak learning rate.
-    schedule: str = "constant"  # 'constant', 'cosine' or 'linear' decay after warmup.
-    warmup_steps: int = 0  # Linear warmup from 0 over this many optimizer updates.
-    decay_steps: int = 0  # Updates from the end of warmup to the end of decay (cosine/linear).
-    end_lr_ratio: float = 0.0  # Final lr as a fraction of the peak (cosine/linear).
-    b1: float = 0.9  # Adam beta1.
-    b2: float = 0.999  # Adam beta2.
-    eps: float = 1e-8  # Adam epsilon (torch default).
-    weight_decay: float = 0.01  # Decoupled weight decay.
-    weight_decay_mask: str = "all"  # 'all' params (reference) or 'matrices' (ndim >= 2 only).
-    grad_clip: float = 1.0  # Clip the global gradient norm to this; 0 disables.
-
-    def __post_init__(self):
-        _config._validate(self, _RULES)
-        if self.schedule != "constant" and self.decay_steps < 1:
-            raise ValueError(
-                f"decay_steps = {self.decay_steps}: schedule {self.schedule!r} needs decay_steps"
-                " >= 1"
-            )
-
-    @classmethod
-    def from_config(cls, cfg: Any, section: str = "optim") -> OptimConfig:
-        return _config.build(cls, cfg, section)
-
-
-_NONNEG = (_config._num(0), "a number >= 0")
-_STEPS = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0")
-_RULES = {
-    "learning_rate": _NONNEG,
-    "schedule": _config._one_of(SCHEDULES),
-    "warmup_steps": _STEPS,
-    "decay_steps": _STEPS,
-    "end_lr_ratio": _NONNEG,
-    "b1": (_config._num(0, 1), "a number in [0, 1)"),
-    "b2": (_config._num(0, 1), "a number in [0, 1)"),
-    "eps": _NONNEG,
-    "weight_decay": _NONNEG,
-    "weight_decay_mask": _config._one_of(DECAY_MASKS),
-    "grad_clip": _NONNEG,
-}
+from envace_jax.rl.config import OptimConfig
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:

@@ -22,7 +22,7 @@ Usage (sharded; drop `shardings` everywhere for one device):
     tx = make_optimizer(OptimConfig.from_config(config.optim))
     sh = make_shardings(mesh, params, tx, batch_shape=(B, T))
     state = init_train_state(jax.device_put(params, sh.params), tx, sh)
-    step = make_grpo_step(model, tx, GRPOConfig.from_config(config.rl), shardings=sh)
+    step = make_grpo_step(model, tx, GRPOConfig.from_config(config.grpo), shardings=sh)
     state, metrics = step(state, shard_batch(batch, sh))  # + ref_params when use_kl
 """
 
@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from envace_jax import parallel
 from envace_jax.rl.advantages import compute_advantages, role_mask
 from envace_jax.rl.batch import ROLE_CONTEXT, STATUS_NAMES, TrajectoryBatch
-from envace_jax.rl.config import GRPOConfig, SFTConfig
+from envace_jax.rl.config import GRPOConfig, SFTConfig, chunking_problem
 from envace_jax.rl.losses import policy_loss, sft_loss, token_weights
 from envace_jax.rl.optim import opt_state_shardings
 
@@ -163,17 +163,6 @@ def token_logprobs(
 def split_rows(x: jax.Array, n: int) -> jax.Array:
     """[B, ...] -> [n, B // n, ...]; chunk k holds rows k, k + n, k + 2n, ..."""
     return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
-
-
-def chunking_problem(rows: int, mini: int, micro: int, section: str) -> str | None:
-    """Why `rows` cannot be split into mini x micro equal chunks (None when they can); also
-    checked on the config before anything is compiled (`configuration.validate`)."""
-    if rows % (mini * micro):
-        return (
-            f"cannot be split into config.{section}.mini_batches={mini} x "
-            f"config.{section}.micro_batches={micro} equal chunks"
-        )
-    return None
 
 
 def _check_divisible(b: int, mini: int, micro: int, section: str) -> None:
