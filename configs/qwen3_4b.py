@@ -1,20 +1,15 @@
-"""Qwen3-4B: EnvACE on Cloud TPU with the reference run's hyper-parameters.
+"""Qwen3-4B: EnvACE on Cloud TPU with the reference run's hyper-parameters (`_qwen3_tpu`).
 
-The checkpoint is the HF `Qwen/Qwen3-4B` directory, staged on every worker by
-`tpu_scripts/stage.sh` (override with --config.model.hf_path=DIR). Variants are TPU slices:
+The checkpoint is the HF `Qwen/Qwen3-4B` directory. Variants are TPU slices (CONTEXTS), e.g.
 
-  python -m envace_jax.main --config configs/qwen3_4b.py:v5p-32 --workdir ~/envace/run \
-      --config.schedule.checkpoint_dir=gs://BUCKET/run/checkpoints
-  python -m envace_jax.plan --config configs/qwen3_4b.py:v5p-32 --topology v5p-32
-
-A variant uses the slice's layout (`envace_jax.planner.layouts.tpu_layout`: tensor parallel
-over 8 chips, FSDP over the rest, one row per device per micro-batch) and the longest context
-the memory planner accepts on it (CONTEXTS; the reference's 20,000 tokens where it fits). No
-variant: the reference context with the v5p-32 layout, FSDP over whatever devices there are;
-check it with the planner before a run on another slice.
+  python -m envace_jax.main --config configs/qwen3_4b.py:v5p-32 --workdir ~/envace/run
 """
 
-from envace_jax.planner.layouts import qwen3_config
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _qwen3_tpu, beside this file
+from _qwen3_tpu import qwen3_config  # noqa: E402
 
 CHECKPOINT = "~/envace/models/Qwen3-4B"
 HOME = "v5p-32"

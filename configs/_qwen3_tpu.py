@@ -1,4 +1,12 @@
-"""Reference hyper-parameters and Cloud TPU layouts for the paper's Qwen3 policies.
+"""The paper's Qwen3 policies on Cloud TPU: reference hyper-parameters and one layout per slice.
+
+A helper of the `configs/qwen3_*.py` files (not a config of its own). Each of them names an HF
+checkpoint directory, staged on every worker by `tpu_scripts/stage.sh` (override with
+--config.model.hf_path=DIR), and the slices it fits (CONTEXTS); its variants are TPU slices:
+
+  python -m envace_jax.main --config configs/qwen3_8b.py:v5p-32 --workdir ~/envace/run \
+      --config.schedule.checkpoint_dir=gs://BUCKET/run/checkpoints
+  python -m envace_jax.plan --config configs/qwen3_8b.py:v5p-32 --topology v5p-32
 
 `reference_config` sets what the reference run uses (EnvACE `run_checklist_share.sh`): K = 4
 rollouts of 16 instructions per step, AdamW lr 1e-6 (constant) with weight decay 0.01 and
@@ -14,9 +22,10 @@ gradient accumulation to a slice:
   and the sampler);
 * micro-batches such that every device holds one row at a time.
 
-The context of each slice is the largest the memory planner (`python -m envace_jax.plan`)
-accepts; configs list them per slice, and `tests/test_plan.py` checks that every listed
-layout fits.
+A variant's context is the largest the memory planner (`python -m envace_jax.plan`) accepts on
+its slice (the reference's 20,000 tokens where it fits); `tests/test_plan.py` checks that every
+listed layout fits. No variant: the reference context with the layout of the file's home slice,
+FSDP over whatever devices there are; check it with the planner before a run on another slice.
 """
 
 from __future__ import annotations
