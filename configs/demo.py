@@ -24,93 +24,122 @@ def _from_checkpoint(config, sft_steps, sft_lr, sft_warmup, rl_lr, rl_warmup) ->
     config.optim.warmup_steps = rl_warmup
 
 
-def _from_demo_base(config) -> None:
-    """Start from the shipped demo base (`base` below, envace_jax/models/demo_base) and
-    continue its warm start briefly: from random init the policy needs ~1,500 steps before it
-    copies ids from its context, three times this job's time budget."""
+def demo():
+    """The demo job: RL from the shipped demo base (`base` below, envace_jax/models/demo_base)
+    after a brief continuation of its warm start: from random init the policy needs ~1,500
+    steps before it copies ids from its context, three times this job's time budget."""
+    config = base_config()
     config.model.hf_path = "demo-base"
-    # RL from a trained base: at the reference's 1e-4 sixteen steps leave the policy where it
-    # was (gradient norm ~0.01 under Adam); 1e-3 broke its message format within 8 steps. A
-    # short warmup keeps Adam's first, sign-like update from taking a full step on one batch.
+    # RL from a trained base at 3e-4: at the reference's 1e-4 sixteen steps leave the policy
+    # where it is (gradient norm ~0.01 under Adam), and 1e-3 breaks its message format within
+    # 8 steps. A short warmup keeps Adam's first, sign-like update from taking a full step on
+    # one batch.
     _from_checkpoint(config, 100, 1e-3, 10, rl_lr=3e-4, rl_warmup=4)
     # Held-out evaluation at the warm start and at the end only: each is five runs over the
     # tasks (greedy and avg@4).
     config.schedule.eval_every = 0
-    # The RL update in 8 chunks of 8 rows (the same gradient): all 64 rows of up to 1,024
-    # tokens at once took 18 GB and spent much of its time faulting pages in; 8 rows, 2.8 GB.
+    # The RL update in 8 chunks of 8 rows (the same gradient): 8 rows of up to 1,024 tokens
+    # keep it under 3 GB, where all 64 rows at once need 18 GB.
     config.grpo.micro_batches = 8
+    return config
+
+
+def base():
+    """The shipped demo base policy (envace_jax/models/demo_base, `make demo-base`): a long warm
+    start from random init, no RL. ~55 minutes on a 2-core CPU."""
+    config = base_config()
+    config.schedule.sft_steps = 2500
+    config.sft_optim.decay_steps = 2470
+    config.schedule.rl_steps = 0
+    config.schedule.checkpoint_every = 250
+    config.schedule.probe_every = 100
+    return config
+
+
+def smollm2():
+    """A pretrained policy on the demo domain: SmolLM2-135M-Instruct with the tool tags on spare
+    special ids (`make smollm2` writes workdir/smollm2). About 37 s per warm-start step on 2 CPU
+    cores; meant for an accelerator."""
+    config = base_config()
+    config.model.hf_path = config.tokenizer = "workdir/smollm2"
+    config.model.remat = "full"  # without it the warm-start step needs one 37 GB buffer
+    _from_checkpoint(config, 40, 1e-4, 4, rl_lr=1e-5, rl_warmup=2)
+    config.schedule.log_every = 2
+    config.schedule.rl_steps = 12
+    config.schedule.eval_every = 6
+    config.rollout.group_size = 4
+    config.rollout.tasks_per_step = 4
+    config.data.eval_tasks = 64
+    config.eval.fidelity_tasks = 16
+    config.schedule.probe_every = 20
+    config.eval.probe_tasks = 16
+    return config
+
+
+def headroom():
+    """Greedy, pass@1 and pass@k per task family of a trained demo workdir's policies
+    (envace_jax.headroom): pass the train job's --workdir."""
+    config = demo()
+    config.job = "headroom"
+    return config
+
+
+def rehearsal_eval():
+    """Test-time rehearsal of a trained demo workdir (envace_jax.rehearsal_eval): pass the train
+    job's --workdir, or --config.rehearsal.checkpoint_dir=<its workdir>."""
+    config = demo()
+    config.job = "rehearsal_eval"
+    return config
+
+
+def smoke():
+    """Seconds-long run of the same pipeline, used by tests and CI."""
+    config = base_config()
+    config.model.preset = "tiny-qwen3"
+    config.data.train_tasks = 64
+    config.data.eval_tasks = 4
+    config.schedule.sft_steps = 4
+    config.schedule.sft_batch_size = 4
+    config.schedule.rl_steps = 2
+    config.schedule.eval_every = 1
+    config.schedule.checkpoint_every = 2
+    config.schedule.log_every = 2
+    config.sft_optim.warmup_steps = 1
+    config.sft_optim.decay_steps = 3
+    config.rollout.group_size = 2
+    config.rollout.tasks_per_step = 2
+    config.rollout.max_new_tokens = 64
+    config.rollout.max_message_tokens = 32
+    config.eval.fidelity_tasks = 2
+    config.eval.max_new_tokens = 64
+    return config
+
+
+def rehearsal_eval_smoke():
+    """Test-time rehearsal of a smoke workdir."""
+    config = smoke()
+    config.job = "rehearsal_eval"
+    config.rehearsal.budgets = (1, 2)
+    config.rehearsal.table_budget = 2
+    config.rehearsal.tasks = 2
+    config.rehearsal.seeds = 2
+    return config
+
+
+VARIANTS = {
+    "": demo,
+    "smoke": smoke,
+    "base": base,
+    "smollm2": smollm2,
+    "rehearsal_eval": rehearsal_eval,
+    "rehearsal_eval_smoke": rehearsal_eval_smoke,
+    "headroom": headroom,
+}  # `configs/demo.py:<variant>` -> its config; no variant is the demo job
 
 
 def get_config(variant: str | None = None):
-    config = base_config()
-    if variant in (None, "", "rehearsal_eval", "headroom"):
-        _from_demo_base(config)
-    if variant in (None, ""):
-        return config
-    if variant == "base":
-        # The shipped demo base policy (envace_jax/models/demo_base, `make demo-base`): a long
-        # warm start from random init, no RL. ~55 minutes on a 2-core CPU.
-        config.model.hf_path = ""
-        config.schedule.sft_steps = 2500
-        config.sft_optim.decay_steps = 2470
-        config.schedule.rl_steps = 0
-        config.schedule.checkpoint_every = 250
-        config.schedule.probe_every = 100
-        return config
-    if variant == "smollm2":
-        # A pretrained policy on the demo domain: SmolLM2-135M-Instruct with the tool tags on
-        # spare special ids (`make smollm2` writes workdir/smollm2). About 37 s per warm-start
-        # step on 2 CPU cores; meant for an accelerator.
-        config.model.hf_path = config.tokenizer = "workdir/smollm2"
-        config.model.remat = "full"  # without: the warm-start step asked for one 37 GB buffer
-        _from_checkpoint(config, 40, 1e-4, 4, rl_lr=1e-5, rl_warmup=2)
-        config.schedule.log_every = 2
-        config.schedule.rl_steps = 12
-        config.schedule.eval_every = 6
-        config.rollout.group_size = 4
-        config.rollout.tasks_per_step = 4
-        config.data.eval_tasks = 64
-        config.eval.fidelity_tasks = 16
-        config.schedule.probe_every = 20
-        config.eval.probe_tasks = 16
-        return config
-    if variant == "headroom":
-        # Greedy, pass@1 and pass@k per task family of a trained demo workdir's policies
-        # (envace_jax.headroom): pass the train job's --workdir.
-        config.job = "headroom"
-        return config
-    if variant == "rehearsal_eval":
-        # Test-time rehearsal of a trained demo workdir (envace_jax.rehearsal_eval): pass the
-        # train job's --workdir, or --config.rehearsal.checkpoint_dir=<its workdir>.
-        config.job = "rehearsal_eval"
-        return config
-    if variant in ("smoke", "rehearsal_eval_smoke"):
-        # Seconds-long run of the same pipeline, used by tests and CI.
-        config.model.preset = "tiny-qwen3"
-        config.data.train_tasks = 64
-        config.data.eval_tasks = 4
-        config.schedule.sft_steps = 4
-        config.schedule.sft_batch_size = 4
-        config.schedule.rl_steps = 2
-        config.schedule.eval_every = 1
-        config.schedule.checkpoint_every = 2
-        config.schedule.log_every = 2
-        config.sft_optim.warmup_steps = 1
-        config.sft_optim.decay_steps = 3
-        config.rollout.group_size = 2
-        config.rollout.tasks_per_step = 2
-        config.rollout.max_new_tokens = 64
-        config.rollout.max_message_tokens = 32
-        config.eval.fidelity_tasks = 2
-        config.eval.max_new_tokens = 64
-        if variant == "rehearsal_eval_smoke":  # test-time rehearsal of a smoke workdir
-            config.job = "rehearsal_eval"
-            config.rehearsal.budgets = (1, 2)
-            config.rehearsal.table_budget = 2
-            config.rehearsal.tasks = 2
-            config.rehearsal.seeds = 2
-        return config
-    raise ValueError(
-        f"configs/demo.py: unknown variant {variant!r}; known: 'smoke', 'base', 'smollm2', "
-        "'rehearsal_eval', 'rehearsal_eval_smoke', 'headroom'"
-    )
+    make = VARIANTS.get(variant or "")
+    if make is None:
+        known = ", ".join(repr(name) for name in VARIANTS if name)
+        raise ValueError(f"configs/demo.py: unknown variant {variant!r}; known: {known}")
+    return make()
