@@ -178,9 +178,9 @@ class JobConfig(Section):
     job: str = knob("train", one_of(*JOBS))
     # 'demo' (shipped byte-level BPE) or a local HF tokenizer directory.
     tokenizer: str = knob("demo", text("'demo' or a tokenizer directory", empty=False))
-    model: ModelSection = nested(ModelSection)
-    mesh: MeshSection = nested(MeshSection)
-    data: DataSection = nested(DataSection)
+    model: ModelSection = nested(ModelSection)  # The policy: architecture, weights, dtypes.
+    mesh: MeshSection = nested(MeshSection)  # Device mesh axes (envace_jax.parallel).
+    data: DataSection = nested(DataSection)  # Tasks: domain, split sizes, demonstrations.
     sft: SFTConfig = nested(SFTConfig)  # Warm-start step.
     sft_optim: OptimConfig = nested(  # Optimizer of the warm start.
         OptimConfig,
@@ -194,10 +194,10 @@ class JobConfig(Section):
     # sampler and the step's log-probs).
     grpo: GRPOConfig = nested(GRPOConfig, linked={"temperature": "rollout.temperature"})
     optim: OptimConfig = nested(OptimConfig, learning_rate=1e-4)  # Optimizer of the RL phase.
-    rollout: RolloutSection = nested(RolloutSection)
-    schedule: ScheduleSection = nested(ScheduleSection)
-    eval: EvalSection = nested(EvalSection)
-    rehearsal: RehearsalSection = nested(RehearsalSection)
+    rollout: RolloutSection = nested(RolloutSection)  # Training rollouts (GRPO groups).
+    schedule: ScheduleSection = nested(ScheduleSection)  # Steps, evaluations, checkpoints.
+    eval: EvalSection = nested(EvalSection)  # Held-out real-environment evaluation.
+    rehearsal: RehearsalSection = nested(RehearsalSection)  # Test-time rehearsal.
 
     def __post_init__(self):
         super().__post_init__()
