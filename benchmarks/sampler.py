@@ -30,8 +30,8 @@ from envace_jax.models.hf_io import load_hf_model
 from envace_jax.sampling import loop
 from envace_jax.sampling.chat_spec import turn_spec
 from envace_jax.sampling.distributions import SamplingParams
-from envace_jax.sampling.loop import Status
 from envace_jax.sampling.sampler import Sampler, pad_rows
+from envace_jax.text.codes import Status
 from envace_jax.text.tokenizer import load_tokenizer
 from envace_jax.text.trajectory import encode_conversation
 

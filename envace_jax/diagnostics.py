@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from envace_jax.text.trajectory import Role
+from envace_jax.text.codes import Role
 
 
 @dataclasses.dataclass(frozen=True)

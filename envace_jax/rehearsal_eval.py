@@ -53,7 +53,7 @@ from envace_jax.build import build_mesh, build_model, build_tokenizer
 from envace_jax.envs.registry import domain
 from envace_jax.metrics import table
 from envace_jax.rollout import memory as mem
-from envace_jax.rollout.test_time import MODES, Committed, TestTimeRehearsal
+from envace_jax.rollout.test_time import REHEARSAL_STRATEGIES, Committed, TestTimeRehearsal
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.workdir import (
     ARCH_KEYS,
@@ -197,7 +197,7 @@ def evaluate_seed(
     for name in REHEARSERS:
         params = policies[name]
         rows, memories, plans, any_ok, where = [], [], [], [], []
-        for m_i, mode in enumerate(MODES):
+        for m_i, mode in enumerate(REHEARSAL_STRATEGIES):
             t0 = time.time()
             rkey = jax.random.fold_in(key, 10 + m_i)  # the same for both rehearsers (paired)
             rehearsals = ttr.rehearse(params, tasks, mode=mode, n=n, key=rkey)
@@ -249,7 +249,7 @@ def _cell(v) -> str:
 
 
 def tables(agg: dict, budgets: Sequence[int], table_budget: int, n_seeds: int, n_tasks: int) -> str:
-    order = ["none"] + [f"{m}, {r} rehearser" for r in REHEARSERS for m in MODES]
+    order = ["none"] + [f"{m}, {r} rehearser" for r in REHEARSERS for m in REHEARSAL_STRATEGIES]
     header = ["test-time rehearsal", "N", "success", "per seed", "reward"]
     header += ["any attempt ok", "plan ok", "follows"]
     rows = []
@@ -286,7 +286,7 @@ def plot(agg: dict, budgets: Sequence[int], png: str) -> None:
 
     fig, ax = plt.subplots(figsize=(5.6, 3.8))
     for name in REHEARSERS:
-        for mode, style in zip(MODES, ("-", "--"), strict=True):
+        for mode, style in zip(REHEARSAL_STRATEGIES, ("-", "--"), strict=True):
             row = agg[f"{mode}, {name} rehearser"]
             means = [row[b]["success"][0] for b in budgets]
             stds = [row[b]["success"][1] for b in budgets]

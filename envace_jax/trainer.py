@@ -52,7 +52,7 @@ from envace_jax.diagnostics import build_copy_probe, copy_metrics
 from envace_jax.envs.registry import domain
 from envace_jax.evaluation import EvalResult
 from envace_jax.metrics import MetricsWriter, Progress, truncate_metrics
-from envace_jax.rl.batch import bucket_length, from_numpy, pad_to_bucket
+from envace_jax.rl.batch import from_numpy, pad_to_bucket, smallest_fitting_bucket
 from envace_jax.rl.optim import make_optimizer
 from envace_jax.rl.steps import (
     TrainState,
@@ -252,7 +252,7 @@ class Trainer:
             reward=np.zeros(len(rows)),
         )
         longest = parallel.process_max(T)  # every process pads to the same bucket
-        bucket = bucket_length(longest, self.config.rollout.length_buckets)
+        bucket = smallest_fitting_bucket(longest, self.config.rollout.length_buckets)
         batch = pad_to_bucket(batch, (bucket,), pad_id=self.pad_id)
         return self._global_batch(batch, layout, self.sft_shardings)
 
@@ -300,7 +300,7 @@ class Trainer:
             tasks = self.eval_tasks[: self.config.eval.probe_tasks]
             examples = self.domain.demonstrations(tasks, self.tokenizer)
             longest = max(len(e.ids) for e in examples)
-            length = bucket_length(longest, self.config.rollout.length_buckets)
+            length = smallest_fitting_bucket(longest, self.config.rollout.length_buckets)
             tools = self.domain.response_tools(tasks)
             self._probe = build_copy_probe(examples, self.tokenizer, self.pad_id, length, tools)
         sh = self.sft_shardings

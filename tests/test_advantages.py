@@ -15,6 +15,7 @@ from envace_jax.rl import batch as tb
 from envace_jax.rl.advantages import compute_advantages, role_mask, segment_table
 from envace_jax.rl.config import GRPOConfig
 from envace_jax.rl.synthetic import message_rows, random_batch
+from envace_jax.text.codes import Role
 
 
 def reference_rows(batch, cfg):
@@ -60,7 +61,7 @@ def with_singleton(batch, row):
     segs[row, 4:] = 0
     roles[row, 4:] = 0
     segs[row, :4] = [0, 0, 1, 1]
-    roles[row, :4] = [0, 0, tb.ROLE_REHEARSE, tb.ROLE_REHEARSE]
+    roles[row, :4] = [0, 0, Role.REHEARSE, Role.REHEARSE]
     group[row] = group.max() + 1
     return batch.replace(segments=segs, roles=roles, group=group)
 

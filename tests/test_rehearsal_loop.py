@@ -17,9 +17,10 @@ from flax import nnx
 from envace_jax.models.config import ModelConfig
 from envace_jax.sampling.chat_spec import later_user_turns, observation_ids, turn_spec
 from envace_jax.sampling.distributions import SamplingParams
-from envace_jax.sampling.loop import Status, to_trajectories
+from envace_jax.sampling.loop import to_trajectories
 from envace_jax.sampling.sampler import Sampler
 from envace_jax.text.chat import messages_from_text, render
+from envace_jax.text.codes import Status
 from envace_jax.text.role_pieces import prompt_ids
 from envace_jax.text.tokenizer import load_tokenizer
 from envace_jax.text.trajectory import encode_conversation

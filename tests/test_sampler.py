@@ -11,8 +11,9 @@ from envace_jax.models.config import get_preset
 from envace_jax.models.decoder import Decoder
 from envace_jax.sampling import loop
 from envace_jax.sampling.distributions import SamplingParams, sample_next, truncate_logits
-from envace_jax.sampling.loop import CONTEXT, Status, TurnSpec
+from envace_jax.sampling.loop import TurnSpec
 from envace_jax.sampling.sampler import Sampler, pad_rows
+from envace_jax.text.codes import Role, Status
 
 END, CALL = 5, 6
 GENERATE = TurnSpec(end_id=END, tool_call_id=CALL, mode="generate", max_message_tokens=10_000)
@@ -55,7 +56,7 @@ def test_greedy_equals_naive_full_forward(model):
                 break
         assert out.tokens[b, : out.lengths[b]].tolist() == seq
         assert (out.tokens[b, out.lengths[b] :] == 0).all()
-        assert out.roles[b, : len(prompt)].tolist() == [CONTEXT] * len(prompt)
+        assert out.roles[b, : len(prompt)].tolist() == [Role.CONTEXT] * len(prompt)
         assert (out.roles[b, len(prompt) : out.lengths[b]] == 1).all()
         assert (out.segments[b, len(prompt) : out.lengths[b]] == 1).all()
 

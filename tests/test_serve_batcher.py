@@ -6,11 +6,11 @@ import threading
 import time
 
 from envace_jax.sampling.distributions import SamplingParams
-from envace_jax.serve.batcher import Done, Engine, Sequence, Tokens, bucket
+from envace_jax.serve.batcher import Done, Engine, Sequence, Tokens, half_octave_bucket
 
 
 def test_bucket_takes_two_sizes_per_octave():
-    assert [bucket(n) for n in (1, 16, 17, 24, 25, 33, 85, 96, 97, 129, 1000)] == [
+    assert [half_octave_bucket(n) for n in (1, 16, 17, 24, 25, 33, 85, 96, 97, 129, 1000)] == [
         16,
         16,
         24,

@@ -13,10 +13,9 @@ import pytest
 
 from envace_jax.envs.base import result_text
 from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks
-from envace_jax.rl.batch import STATUS_FINISHED, STATUS_INVALID, STATUS_TRUNCATED
 from envace_jax.rollout import memory as mem
+from envace_jax.text.codes import Role, Status
 from envace_jax.text.tokenizer import load_tokenizer
-from envace_jax.text.trajectory import Role
 from tests.conftest import demo_config
 
 
@@ -42,7 +41,7 @@ def executed(task, calls):
 def oracle_attempt(task):
     calls = [(c["name"], c["arguments"]) for c in task.ground_truth["solution"]]
     calls, responses = executed(task, calls)
-    return mem.Attempt(calls, responses, task.ground_truth["final_reply"], STATUS_FINISHED)
+    return mem.Attempt(calls, responses, task.ground_truth["final_reply"], Status.FINISHED)
 
 
 # ------------------------------------------------------------------------------ assessor
@@ -62,7 +61,7 @@ def test_rule_assessor_flags_env_errors_ungrounded_values_and_unfinished(tasks):
     # The real environment refuses to cancel an order that is not open.
     calls, responses = executed(task, [("cancel_order", {"order_id": other["id"]})])
     assert "bad_status" in responses[0]
-    got = mem.assess(task, mem.Attempt(calls, responses, "Done.", STATUS_FINISHED))
+    got = mem.assess(task, mem.Attempt(calls, responses, "Done.", Status.FINISHED))
     assert any("got bad_status" in p for p in got.problems)
     # The id is in no user message and no earlier result: ungrounded.
     assert any(f'order_id="{other["id"]}" is from no result' in p for p in got.problems)
@@ -70,10 +69,10 @@ def test_rule_assessor_flags_env_errors_ungrounded_values_and_unfinished(tasks):
     good = oracle_attempt(task)
     lie = dataclass_replace(good, final_reply="Your balance is 123456.")
     assert mem.assess(task, lie).problems == ("reply states 123456, which no result gave",)
-    unfinished = dataclass_replace(good, final_reply=None, status=STATUS_TRUNCATED)
+    unfinished = dataclass_replace(good, final_reply=None, status=Status.TRUNCATED)
     assert mem.assess(task, unfinished).problems == ("no final reply",)
     assert mem.assess(task, unfinished, require_finish=False).ok
-    invalid = dataclass_replace(good, status=STATUS_INVALID, reason="action: bad_json")
+    invalid = dataclass_replace(good, status=Status.INVALID, reason="action: bad_json")
     assert mem.assess(task, invalid).problems[0].startswith("invalid message (action: bad_json")
 
 
@@ -84,7 +83,7 @@ def dataclass_replace(x, **kw):
 # ------------------------------------------------------------------- selection and memory
 
 
-def _attempt(calls, status=STATUS_FINISHED, reply="ok"):
+def _attempt(calls, status=Status.FINISHED, reply="ok"):
     return mem.Attempt(tuple(calls), tuple("{}" for _ in calls), reply, status)
 
 
@@ -103,7 +102,7 @@ def test_selection_prefers_fewest_problems_then_majority_then_earliest():
     s = mem.select_plan([b, a], [ok, ok])
     assert s.index == 0
     # Invalid before any call: not usable.
-    dead = _attempt([], status=STATUS_INVALID, reply=None)
+    dead = _attempt([], status=Status.INVALID, reply=None)
     assert mem.select_plan([dead, dead], [bad, bad]).index is None
 
 
@@ -113,7 +112,7 @@ def test_structured_memory_lists_the_selected_plan_and_the_notes(tasks):
     wrong_calls = [(n, dict(a)) for n, a in good.calls]
     key = next(iter(wrong_calls[0][1]))
     wrong_calls[0][1][key] = "Zed"
-    wrong = mem.Attempt(*executed(task, wrong_calls), None, STATUS_TRUNCATED)
+    wrong = mem.Attempt(*executed(task, wrong_calls), None, Status.TRUNCATED)
     attempts = [wrong, good, good]
     assessments = [mem.assess(task, a) for a in attempts]
     text = mem.render_memory(attempts, assessments)
@@ -313,7 +312,7 @@ def _greedy_rehearsal(model, tok, **kwargs):
 @pytest.mark.slow  # trains the memorising policy (about a minute on two CPU cores)
 def test_rehearsals_leave_the_real_environment_untouched(memorised, tok, monkeypatch):
     from envace_jax.envs.demo import STATE_CHANGING
-    from envace_jax.rollout.test_time import MODES
+    from envace_jax.rollout.test_time import REHEARSAL_STRATEGIES
 
     model, params, tasks = memorised
     executed_calls = []
@@ -330,7 +329,7 @@ def test_rehearsals_leave_the_real_environment_untouched(memorised, tok, monkeyp
     before = [env.state() for env in live]
     ttr = _greedy_rehearsal(model, tok)
     memories = {}
-    for mode in MODES:
+    for mode in REHEARSAL_STRATEGIES:
         rehearsals = ttr.rehearse(params, tasks, mode=mode, n=2, key=jax.random.key(0))
         for r, task in zip(rehearsals, tasks, strict=True):
             # The rehearsals did make the task's state-changing calls ...
@@ -340,7 +339,7 @@ def test_rehearsals_leave_the_real_environment_untouched(memorised, tok, monkeyp
     # ... yet no environment executed anything, and the real ones are as they were.
     assert executed_calls == []
     assert [env.state() for env in live] == before
-    for mode in MODES:
+    for mode in REHEARSAL_STRATEGIES:
         for env, task in zip(live, tasks, strict=True):
             env.reset(task)
         make_env = iter(live).__next__  # hands out the live environments in task order
@@ -410,7 +409,7 @@ def loaded_random_qwen3(tmp_path_factory, tok):
 def test_both_modes_form_and_insert_the_memory_with_a_loaded_random_qwen3(
     loaded_random_qwen3, tok, memory, assessor
 ):
-    from envace_jax.rollout.test_time import MODES, TestTimeRehearsal
+    from envace_jax.rollout.test_time import REHEARSAL_STRATEGIES, TestTimeRehearsal
 
     model, params = loaded_random_qwen3
     tasks = generate_tasks(1, 2, "test")
@@ -432,7 +431,7 @@ def test_both_modes_form_and_insert_the_memory_with_a_loaded_random_qwen3(
         return generate(prompts, **kw)
 
     ttr.rehearse_sampler.generate = recording
-    for mode in MODES:
+    for mode in REHEARSAL_STRATEGIES:
         seen_prompts.clear()
         rehearsals = ttr.rehearse(params, tasks, mode=mode, n=2, key=jax.random.key(3))
         assert [len(r.attempts) for r in rehearsals] == [2, 2]

@@ -131,7 +131,7 @@ def test_grpo_moves_logprobs_with_the_advantage_and_keeps_the_reference(model, b
 
 def test_indivisible_batch_names_the_config_keys(model, batch):
     tx = optax.sgd(0.1)
-    with pytest.raises(ValueError, match=r"config\.rl\.mini_batches=3"):
+    with pytest.raises(ValueError, match=r"config\.grpo\.mini_batches=3"):
         run(model, tx, GRPOConfig(mini_batches=3), batch)
 
 

@@ -40,7 +40,7 @@ from envace_jax.models.decoder import CACHE_LOGICAL_AXES, param_paths
 from envace_jax.models.shipped import resolve_hf_path
 from envace_jax.parallel import DEFAULT_RULES, MESH_AXES, logical_to_spec
 from envace_jax.rl.config import GRPOConfig, SFTConfig
-from envace_jax.sampling.sampler import bucket
+from envace_jax.sampling.sampler import pow2_bucket
 
 # How many buffers of each size XLA keeps live at the peak, fitted to the compiled steps' memory
 # analysis on CPU over 39 small configs (all remat policies, float32 and bfloat16 compute,
@@ -234,8 +234,8 @@ def sampler_phase(
 ) -> Phase:
     """The sampler on `rows` prompts of up to `prompt` tokens with `new_tokens` more each, with
     the train state resident. Buffers are the sampler's power-of-two buckets."""
-    P = bucket(prompt)
-    S = bucket(prompt + new_tokens)
+    P = pow2_bucket(prompt)
+    S = pow2_bucket(prompt + new_tokens)
     L, D = cfg.num_layers, cfg.head_dim
     cache_shape = (L, rows, S, cfg.num_kv_heads, D)
     cache = 2 * math.prod(_shard(cache_shape, CACHE_LOGICAL_AXES, mesh)) * _nbytes(cfg.dtype)

@@ -26,8 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from envace_jax.rl.batch import NUM_ROLES, ROLE_ACT, ROLE_NAMES, ROLE_REHEARSE
 from envace_jax.rl.config import GRPOConfig
+from envace_jax.text.codes import Role
 
 
 def segment_table(roles: jax.Array, segments: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -81,11 +81,11 @@ def compute_advantages(
     score = reward.astype(jnp.float32)[:, None] - cfg.empty_penalty * empty.astype(jnp.float32)
 
     if cfg.baseline == "role":
-        key = group.astype(jnp.int32)[:, None] * NUM_ROLES + jnp.clip(seg_role, 0, NUM_ROLES - 1)
+        key = group.astype(jnp.int32)[:, None] * len(Role) + jnp.clip(seg_role, 0, len(Role) - 1)
     else:  # "group": one pooled baseline per instruction (ablation).
-        key = jnp.broadcast_to(group.astype(jnp.int32)[:, None] * NUM_ROLES, ntok.shape)
+        key = jnp.broadcast_to(group.astype(jnp.int32)[:, None] * len(Role), ntok.shape)
     key = jnp.where(is_msg, key, 0).ravel()
-    n_keys = b * NUM_ROLES
+    n_keys = b * len(Role)
     w = is_msg.astype(jnp.float32).ravel()
     count = jax.ops.segment_sum(w, key, n_keys)
     mean = jax.ops.segment_sum(w * score.ravel(), key, n_keys) / jnp.maximum(count, 1.0)
@@ -106,12 +106,12 @@ def compute_advantages(
     token_adv = jnp.where(segments > 0, token_adv, 0.0)
 
     metrics = {}
-    for r in (ROLE_ACT, ROLE_REHEARSE):
+    for r in Role.generated():
         sel = is_msg & (seg_role == r)
         n = sel.sum()
         a_mean = jnp.where(sel, adv_seg, 0.0).sum() / jnp.maximum(n, 1)
         a_var = jnp.where(sel, (adv_seg - a_mean) ** 2, 0.0).sum() / jnp.maximum(n, 1)
-        name = ROLE_NAMES[r]
+        name = r.label
         metrics[f"{name}/outputs"] = n.astype(jnp.float32)
         metrics[f"{name}/tokens"] = jnp.where(sel, ntok, 0).sum().astype(jnp.float32)
         metrics[f"{name}/empty_outputs"] = (sel & empty).sum().astype(jnp.float32)

@@ -14,17 +14,7 @@ import jax
 import numpy as np
 from flax import struct
 
-ROLE_CONTEXT = 0  # Prompt, chat-template glue, real-environment or user text: never trained.
-ROLE_ACT = 1  # The agent's own messages.
-ROLE_REHEARSE = 2  # The policy's rehearsal of an environment response.
-NUM_ROLES = 3
-ROLE_NAMES = ("context", "act", "rehearse")
-
-STATUS_FINISHED = 0  # The trajectory ended normally.
-STATUS_TRUNCATED = 1  # It ran out of sequence length.
-STATUS_TURN_LIMIT = 2  # It hit the turn limit.
-STATUS_INVALID = 3  # The policy emitted an unparseable action.
-STATUS_NAMES = ("finished", "truncated", "turn_limit", "invalid")
+from envace_jax.text.codes import Role, Status
 
 _DTYPES = {
     "tokens": np.int32,
@@ -46,14 +36,14 @@ class TrajectoryBatch:
 
     Attributes:
       tokens: [B, T] int32, the sequence; padding holds the pad id.
-      roles: [B, T] int8, ROLE_CONTEXT / ROLE_ACT / ROLE_REHEARSE per token.
+      roles: [B, T] int8, a `Role` per token.
       segments: [B, T] int32, 0 on context, 1..S numbering the row's generated messages in order.
       logprobs: [B, T] float32, log-prob of each generated token under the sampling policy (0
         elsewhere).
       lengths: [B] int32, tokens used; a padding row has length 0.
       group: [B] int32, instruction index in [0, B): the K rollouts of one instruction share it.
       reward: [B] float32, trajectory reward (in [0, 1] from the judges).
-      status: [B] int8, STATUS_* code.
+      status: [B] int8, a `Status.stopped()` code.
     """
 
     tokens: jax.Array
@@ -74,14 +64,14 @@ class TrajectoryBatch:
 def from_numpy(**fields) -> TrajectoryBatch:
     """Builds a batch from array-likes, casting each field to its documented dtype.
 
-    `logprobs` defaults to zeros, `status` to STATUS_FINISHED and `lengths` to T.
+    `logprobs` defaults to zeros, `status` to Status.FINISHED and `lengths` to T.
     """
     tokens = np.asarray(fields["tokens"])
     if tokens.ndim != 2:
         raise ValueError(f"TrajectoryBatch.tokens: expected [B, T], got shape {tokens.shape}")
     b, t = tokens.shape
     fields.setdefault("logprobs", np.zeros((b, t), np.float32))
-    fields.setdefault("status", np.full((b,), STATUS_FINISHED))
+    fields.setdefault("status", np.full((b,), Status.FINISHED))
     fields.setdefault("lengths", np.full((b,), t))
     unknown = sorted(set(fields) - set(_DTYPES))
     if unknown:
@@ -116,12 +106,12 @@ def validate(batch: TrajectoryBatch) -> None:
         row = int(np.nonzero(rows)[0][0])
         raise ValueError(f"TrajectoryBatch.{field}: row {row}: {what}")
 
-    fail_rows = ((roles < 0) | (roles >= NUM_ROLES)).any(1)
+    fail_rows = ((roles < 0) | (roles >= len(Role))).any(1)
     if fail_rows.any():
-        fail("roles", fail_rows, f"role outside [0, {NUM_ROLES})")
+        fail("roles", fail_rows, f"role outside [0, {len(Role)})")
     if ((lengths < 0) | (lengths > t)).any():
         fail("lengths", (lengths < 0) | (lengths > t), f"length outside [0, {t}]")
-    gen = roles != ROLE_CONTEXT
+    gen = roles != Role.CONTEXT
     if ((segs > 0) != gen).any():
         fail(
             "segments",
@@ -169,7 +159,7 @@ def renumber_groups(instruction_ids: Sequence) -> np.ndarray:
     return np.asarray([index.setdefault(k, len(index)) for k in instruction_ids], np.int32)
 
 
-def bucket_length(n: int, buckets: Sequence[int]) -> int:
+def smallest_fitting_bucket(n: int, buckets: Sequence[int]) -> int:
     """The smallest bucket >= n; buckets keep the step from recompiling for every length."""
     fitting = [x for x in sorted(buckets) if x >= n]
     if not fitting:
@@ -188,14 +178,14 @@ def pad(
 
     Padded tokens are context with the pad id; padded rows have length 0 and no messages, so they
     change neither baselines nor losses. Their group is 0 (any valid id works, they carry no
-    outputs) and their status STATUS_FINISHED.
+    outputs) and their status Status.FINISHED.
     """
     b, t = batch.shape
     seq_len = t if seq_len is None else seq_len
     batch_size = b if batch_size is None else batch_size
     if seq_len < t or batch_size < b:
         raise ValueError(f"cannot pad a [{b}, {t}] batch down to [{batch_size}, {seq_len}]")
-    fill = {"tokens": pad_id}
+    fill = {"tokens": pad_id, "status": int(Status.FINISHED)}
     out = {}
     for k in _DTYPES:
         x = np.asarray(getattr(batch, k))
@@ -215,7 +205,7 @@ def pad_to_bucket(
     past every row's length or padding; pads rows up to `batch_size`.
     """
     longest = int(np.max(np.asarray(batch.lengths), initial=1))
-    seq_len = bucket_length(longest, buckets)
+    seq_len = smallest_fitting_bucket(longest, buckets)
     if seq_len < batch.shape[1]:
         batch = TrajectoryBatch(
             **{

@@ -14,8 +14,9 @@ import dataclasses
 from typing import Any, ClassVar
 
 from envace_jax.knobs import BOOL, Rule, Section, integer, knob, number, one_of
+from envace_jax.text.codes import Role
 
-ROLE_IDS = {"act": 1, "rehearse": 2}  # Matches batch.ROLE_ACT / batch.ROLE_REHEARSE.
+ROLE_IDS = {r.label: int(r) for r in Role.generated()}  # Config role name -> role id.
 
 ADVANTAGE_BASELINES = ("role", "group")
 SINGLETON_BASELINES = ("zero", "self")

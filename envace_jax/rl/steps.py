@@ -40,10 +40,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from envace_jax import parallel
 from envace_jax.rl.advantages import compute_advantages, role_mask
-from envace_jax.rl.batch import ROLE_CONTEXT, STATUS_NAMES, TrajectoryBatch
+from envace_jax.rl.batch import TrajectoryBatch
 from envace_jax.rl.config import GRPOConfig, SFTConfig, chunking_problem
 from envace_jax.rl.losses import policy_loss, sft_loss, token_weights
 from envace_jax.rl.optim import opt_state_shardings
+from envace_jax.text.codes import Role, Status
 
 Metrics = dict[str, jax.Array]
 
@@ -263,8 +264,8 @@ def _batch_metrics(batch: TrajectoryBatch) -> Metrics:
     real = batch.lengths > 0
     n = jnp.maximum(real.sum(), 1)
     out = {"reward/mean": jnp.where(real, batch.reward, 0.0).sum() / n}
-    for code, name in enumerate(STATUS_NAMES):
-        out[f"status/{name}"] = ((batch.status == code) & real).sum() / n
+    for code in Status.stopped():
+        out[f"status/{code.label}"] = ((batch.status == code) & real).sum() / n
     return out
 
 
@@ -326,7 +327,7 @@ def make_grpo_step(
 
     def step(state: TrainState, batch: TrajectoryBatch, ref_params=None):
         b = batch.shape[0]
-        _check_divisible(b, mini, micro, "rl")
+        _check_divisible(b, mini, micro, "grpo")
         adv, adv_metrics = compute_advantages(
             batch.roles, batch.segments, batch.group, batch.reward, cfg
         )
@@ -406,7 +407,7 @@ def make_sft_step(
             # Real context tokens after the first (which nothing predicts), weighted to sum to
             # context_weight per update, as each update's role loss sums to 1.
             t = jnp.arange(batch.tokens.shape[1])[None, :]
-            ctx = (batch.roles == ROLE_CONTEXT) & (t >= 1) & (t < batch.lengths[:, None])
+            ctx = (batch.roles == Role.CONTEXT) & (t >= 1) & (t < batch.lengths[:, None])
             scale = cfg.context_weight * mini / jnp.maximum(ctx.sum(), 1)
             data["context_w"] = ctx.astype(jnp.float32) * scale
         state, stats, sums = _run_updates(

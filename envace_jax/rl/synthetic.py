@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from envace_jax.rl.batch import ROLE_ACT, ROLE_REHEARSE, TrajectoryBatch, from_numpy
+from envace_jax.rl.batch import TrajectoryBatch, from_numpy
+from envace_jax.text.codes import Role
 
 
 def random_batch(
@@ -48,9 +49,9 @@ def random_batch(
             n = 1 if rng.random() < empty_prob else int(rng.integers(2, 9))
             n = min(n, length - pos)
             if group[i] < single_role_groups:
-                role = ROLE_ACT
+                role = Role.ACT
             else:
-                role = ROLE_ACT if rng.random() < 0.5 else ROLE_REHEARSE
+                role = Role.ACT if rng.random() < 0.5 else Role.REHEARSE
             seg += 1
             roles[i, pos : pos + n] = role
             segs[i, pos : pos + n] = seg
@@ -94,11 +95,11 @@ def multi_turn_batch(
 
     rows = []
     for _ in range(batch_size):
-        layout = [(0, prompt_len)]
+        layout = [(Role.CONTEXT, prompt_len)]
         for _ in range(turns):
-            layout += [(ROLE_ACT, jitter(act_len)), (0, glue_len)]
-            layout += [(ROLE_REHEARSE, jitter(rehearse_len)), (0, glue_len)]
-        layout.append((ROLE_ACT, jitter(act_len)))
+            layout += [(Role.ACT, jitter(act_len)), (Role.CONTEXT, glue_len)]
+            layout += [(Role.REHEARSE, jitter(rehearse_len)), (Role.CONTEXT, glue_len)]
+        layout.append((Role.ACT, jitter(act_len)))
         rows.append(layout)
     seq_len = max(sum(n for _, n in layout) for layout in rows)
     roles = np.zeros((batch_size, seq_len), np.int8)

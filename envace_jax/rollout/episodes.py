@@ -33,32 +33,15 @@ from envace_jax.envs.base import (
     result_text,
     tool_error,
 )
-from envace_jax.rl.batch import (
-    STATUS_FINISHED,
-    STATUS_INVALID,
-    STATUS_TRUNCATED,
-    STATUS_TURN_LIMIT,
-)
-from envace_jax.sampling.loop import Status
+from envace_jax.text.codes import Role, Status
 from envace_jax.text.tool_calls import parse_tool_calls, parse_tool_responses
-from envace_jax.text.trajectory import Role
-
-# Sampler stop reasons -> trajectory-batch status codes.
-BATCH_STATUS = {
-    Status.RUNNING: STATUS_TRUNCATED,  # out of decode steps
-    Status.FINISHED: STATUS_FINISHED,
-    Status.TRUNCATED: STATUS_TRUNCATED,
-    Status.TURN_LIMIT: STATUS_TURN_LIMIT,
-    Status.INVALID: STATUS_INVALID,
-    Status.AWAITING_ENV: STATUS_TRUNCATED,
-}
 
 
 @dataclasses.dataclass
 class Episode:
     """One trajectory as chat messages (task's opening messages included).
 
-    status: a trajectory-batch STATUS_* code. final_reply: the text of the last ACT message when
+    status: a `Status.stopped()` code. final_reply: the text of the last ACT message when
     it was a final reply, else None. calls: the tool calls in order, as (name, arguments).
     rehearsed: (call, response text) pairs of rehearsed observations, for fidelity checks.
     """
@@ -108,7 +91,7 @@ def build_episode(
     stop_text = tokenizer.decode([tokenizer.convert_tokens_to_ids("<|im_end|>")])
     messages = [dict(m) for m in task.messages]
     later_users = [m for m in task.reference_messages if m.get("role") == "user"][1:]
-    ep = Episode(messages=messages, status=BATCH_STATUS.get(Status(sampler_status), 3), end=length)
+    ep = Episode(messages=messages, status=Status(sampler_status).settled(), end=length)
     pending_calls: list[Any] = []
     after_final = False
     for role, start, end in _segment_spans(roles, segments, length):
@@ -129,7 +112,7 @@ def build_episode(
                         "content": result_text(tool_error(BAD_CALL, action.error.code.value)),
                     }
                 )
-                ep.status, ep.invalid_reason = STATUS_INVALID, f"action: {action.error.code}"
+                ep.status, ep.invalid_reason = Status.INVALID, f"action: {action.error.code}"
                 ep.end = end
                 return ep
             if action.calls:
@@ -157,7 +140,7 @@ def build_episode(
             if problem is not None:
                 error = result_text(tool_error(BAD_OBSERVATION, problem))
                 messages += [{"role": "tool", "content": error}] * max(1, len(pending_calls))
-                ep.status, ep.invalid_reason = STATUS_INVALID, f"rehearsal: {problem}"
+                ep.status, ep.invalid_reason = Status.INVALID, f"rehearsal: {problem}"
                 ep.end = end
                 return ep
             first_call = len(ep.calls) - len(pending_calls)

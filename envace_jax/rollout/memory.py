@@ -64,7 +64,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from envace_jax.envs.base import error_code, observed_values, parse_result_text, result_text
-from envace_jax.rl.batch import STATUS_FINISHED, STATUS_INVALID
+from envace_jax.text.codes import Status
 from envace_jax.text.tokenizer import SPECIAL_TOKEN_TEXTS
 
 FORMATS = ("structured", "summary")
@@ -93,7 +93,7 @@ class Attempt:
 
     calls: (name, arguments) in order. responses: the rehearsed response text of each call
     (None where the attempt stopped before one). final_reply: None if it never replied.
-    status: a trajectory-batch STATUS_* code; reason: why it is invalid, if it is."""
+    status: a `Status.stopped()` code; reason: why it is invalid, if it is."""
 
     calls: tuple[tuple[str, Any], ...]
     responses: tuple[str | None, ...]
@@ -167,10 +167,10 @@ def assess(task: Any, attempt: Attempt, *, require_finish: bool = True) -> Asses
     require_finish: count an unfinished attempt (no final reply) as a problem."""
     problems: list[str] = []
     revisions: list[str] = []
-    if attempt.status == STATUS_INVALID:
+    if attempt.status == Status.INVALID:
         problems.append(f"invalid message ({attempt.reason or 'unparseable'})")
         revisions.append("write calls as JSON the tools accept")
-    elif require_finish and (attempt.status != STATUS_FINISHED or attempt.final_reply is None):
+    elif require_finish and (attempt.status != Status.FINISHED or attempt.final_reply is None):
         problems.append("no final reply")
         revisions.append("make the calls, then reply")
     user_text = _user_text(task)
@@ -218,7 +218,7 @@ def select_plan(attempts: Sequence[Attempt], assessments: Sequence[Assessment]) 
     usable = [
         i
         for i, a in enumerate(attempts)
-        if a.calls or (a.status != STATUS_INVALID and a.final_reply is not None)
+        if a.calls or (a.status != Status.INVALID and a.final_reply is not None)
     ]
     if not usable:
         return Selection(None, 0, len(attempts))
@@ -284,7 +284,7 @@ def render_transcripts(
                 lines.append(f"result {cut}")
         if a.final_reply is not None:
             lines.append(f"reply: {a.final_reply.strip()}")
-        elif a.status == STATUS_INVALID:
+        elif a.status == Status.INVALID:
             lines.append(f"(stopped: {a.reason or 'invalid message'})")
         else:
             lines.append("(stopped before a final reply)")
@@ -397,7 +397,7 @@ def _wrong_plan(
     env = make_env()
     env.reset(task)
     got = [result_text(env.step([{"name": n, "arguments": a}])[0]) for n, a in new]
-    attempt = Attempt(tuple(new), tuple(got), None, STATUS_FINISHED)
+    attempt = Attempt(tuple(new), tuple(got), None, Status.FINISHED)
     return attempt, assess(task, attempt, require_finish=False)
 
 
@@ -446,12 +446,12 @@ def warm_start_memory(rng: random.Random, task: Any, make_env: Callable[[], Any]
         changed = _wrong_expectation(rng, responses)
         if changed is not None:
             attempt, assessment = (
-                Attempt(tuple(calls), tuple(changed), None, STATUS_FINISHED),
+                Attempt(tuple(calls), tuple(changed), None, Status.FINISHED),
                 Assessment(),
             )
     if attempt is None:
         attempt, assessment = (
-            Attempt(tuple(calls), tuple(responses), None, STATUS_FINISHED),
+            Attempt(tuple(calls), tuple(responses), None, Status.FINISHED),
             Assessment(),
         )
         support = rng.randint(math.ceil(total / 2), total)

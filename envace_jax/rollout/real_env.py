@@ -25,15 +25,14 @@ import numpy as np
 from envace_jax import parallel
 from envace_jax.envs.base import error_code, is_call_error, result_text
 from envace_jax.rewards.rule_judge import judge
-from envace_jax.rl.batch import STATUS_INVALID
 from envace_jax.rollout.episodes import Episode, build_episode, response_matches
 from envace_jax.rollout.world_rehearsal import task_prompts
 from envace_jax.sampling.chat_spec import observation_ids
 from envace_jax.sampling.distributions import SamplingParams
-from envace_jax.sampling.loop import Status, Trajectories
+from envace_jax.sampling.loop import Trajectories
 from envace_jax.sampling.sampler import Sampler
+from envace_jax.text.codes import Role, Status
 from envace_jax.text.tool_calls import parse_tool_calls
-from envace_jax.text.trajectory import Role
 
 
 @dataclasses.dataclass
@@ -158,7 +157,7 @@ def real_env_trajectories(
         )
         # A call error (unknown tool, arguments off the schema) fails the episode, as the
         # checklist's semantics end it there; domain errors (not_found, ...) do not.
-        ok = ep.status != STATUS_INVALID and ep.final_reply is not None and not invalid_calls[b]
+        ok = ep.status != Status.INVALID and ep.final_reply is not None and not invalid_calls[b]
         success = bool(ok and envs[b].success(ep.final_reply))
         results.append(
             RealEpisode(
@@ -192,7 +191,7 @@ def real_env_metrics(results: Sequence[RealEpisode], everywhere: bool = False) -
             sum(r.reward for r in results),
             sum(r.call_errors for r in results),
             calls,
-            sum(r.episode.status == STATUS_INVALID for r in results),
+            sum(r.episode.status == Status.INVALID for r in results),
         ],
         float,
     )

@@ -35,7 +35,8 @@ from flax import nnx
 
 from envace_jax.models.config import ModelConfig
 from envace_jax.models.decoder import Decoder, KVCache
-from envace_jax.sampling.loop import ACT, REHEARSE, TurnSpec
+from envace_jax.sampling.loop import TurnSpec
+from envace_jax.text.codes import Role
 
 
 class RoleDecoders(nnx.Module):
@@ -82,7 +83,7 @@ class RoleDecoders(nnx.Module):
             tokens, positions, cache=reh_cache, kv_window=kv_window
         )
         role, open_call = self._track(tokens, cache)
-        logits = jnp.where((role == REHEARSE)[:, None, None], reh_logits, act_logits)
+        logits = jnp.where((role == Role.REHEARSE)[:, None, None], reh_logits, act_logits)
         return logits, self._join(cache, act_cache, reh_cache, role, open_call)
 
     def prefill(
@@ -119,17 +120,17 @@ class RoleDecoders(nnx.Module):
         """The rows' roles and open-tool-call flags after `tokens` ([B] each)."""
         B, T = tokens.shape
         if T > 1:  # a prefill: the loop's rows are ACT with no tool call open
-            return jnp.full((B,), ACT, jnp.int32), jnp.zeros((B,), jnp.int32)
+            return jnp.full((B,), Role.ACT, jnp.int32), jnp.zeros((B,), jnp.int32)
         L2 = 2 * self.layers_per_role
         role = cache.k[L2, :, 0, 0, 0].astype(jnp.int32)
         open_call = cache.v[L2, :, 0, 0, 0].astype(jnp.int32)
         tok = tokens[:, 0]
-        is_act = role == ACT
+        is_act = role == Role.ACT
         open_call = jnp.where(is_act & (tok == self.tool_call_id), 1, open_call)
         ends = tok == self.end_id
         to_rehearse = is_act & ends & (open_call == 1)
         to_act = ~is_act & ends
-        role = jnp.where(to_rehearse, REHEARSE, jnp.where(to_act, ACT, role))
+        role = jnp.where(to_rehearse, Role.REHEARSE, jnp.where(to_act, Role.ACT, role))
         open_call = jnp.where(ends, 0, open_call)
         return role, open_call
 

@@ -44,10 +44,10 @@ from envace_jax.sampling.chat_spec import later_user_turns, turn_spec
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.sampler import Sampler
 from envace_jax.text.chat import decode, render
+from envace_jax.text.codes import Role
 from envace_jax.text.role_pieces import prompt_ids
-from envace_jax.text.trajectory import Role
 
-MODES = ("parallel", "sequential")
+REHEARSAL_STRATEGIES = ("parallel", "sequential")
 ASSESSORS = ("rules", "policy")
 ASSESS_SYSTEM = (
     "You check a private rehearsal of a tool-use task. Its tool results were imagined, not "
@@ -187,8 +187,8 @@ class TestTimeRehearsal:
         self, params, tasks: Sequence[Any], *, mode: str, n: int, key: jax.Array
     ) -> list[Rehearsal]:
         """`n` private rehearsals of every task (see the module docstring); no environment."""
-        if mode not in MODES:
-            raise ValueError(f"rehearsal mode must be one of {MODES}, got {mode!r}")
+        if mode not in REHEARSAL_STRATEGIES:
+            raise ValueError(f"rehearsal mode must be one of {REHEARSAL_STRATEGIES}, got {mode!r}")
         if n < 1:
             raise ValueError(f"rehearsal budget n must be >= 1, got {n}")
         out = [Rehearsal() for _ in tasks]

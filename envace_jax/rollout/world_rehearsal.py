@@ -19,17 +19,12 @@ import numpy as np
 
 from envace_jax import parallel
 from envace_jax.rewards.rule_judge import judge
-from envace_jax.rl.batch import (
-    STATUS_NAMES,
-    TrajectoryBatch,
-    bucket_length,
-    from_numpy,
-    pad_to_bucket,
-)
+from envace_jax.rl.batch import TrajectoryBatch, from_numpy, pad_to_bucket, smallest_fitting_bucket
 from envace_jax.rollout.episodes import Episode, build_episodes
 from envace_jax.sampling.chat_spec import later_user_turns
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.sampler import Sampler
+from envace_jax.text.codes import Status
 from envace_jax.text.role_pieces import prompt_ids
 
 
@@ -93,7 +88,7 @@ def rehearsal_rollouts(
     lengths = np.asarray([ep.end for ep in episodes], np.int32)
     if layout is not None:  # every process's rows padded to the same length
         longest = parallel.process_max(int(lengths.max(initial=1)))
-        length_buckets = (bucket_length(longest, length_buckets),)
+        length_buckets = (smallest_fitting_bucket(longest, length_buckets),)
     batch = judged_batch(
         tokenizer, out, episodes, rewards, group, length_buckets, batch_size=batch_size
     )
@@ -145,8 +140,8 @@ def rollout_stats(
         "calls_mean": [len(ep.calls) for ep in episodes],
         "final_reply_rate": [ep.final_reply is not None for ep in episodes],
     }
-    for code, name in enumerate(STATUS_NAMES):
-        per_row[f"status_{name}"] = status == code
+    for code in Status.stopped():
+        per_row[f"status_{code.label}"] = status == code
     sums = np.asarray([len(episodes)] + [np.sum(np.asarray(v, float)) for v in per_row.values()])
     if everywhere:
         sums = parallel.process_sum(sums)

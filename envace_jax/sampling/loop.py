@@ -36,7 +36,6 @@ rewrites its cache slot with the same values.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Any
 
 import jax
@@ -47,23 +46,9 @@ from flax import nnx, struct
 from envace_jax.models.decoder import CACHE_LOGICAL_AXES, KVCache, init_cache
 from envace_jax.parallel import with_logical_constraint
 from envace_jax.sampling.distributions import RowSampling, SamplingParams, sample_next
-from envace_jax.text.trajectory import Role
+from envace_jax.text.codes import Role, Status
 
-CONTEXT, ACT, REHEARSE = int(Role.CONTEXT), int(Role.ACT), int(Role.REHEARSE)
-
-
-class Status(enum.IntEnum):
-    """Why a row stopped. RUNNING rows are still decoding."""
-
-    RUNNING = 0
-    FINISHED = 1  # a final reply with no user turn left (or the end of a plain generation)
-    TRUNCATED = 2  # token budget or per-message length exhausted
-    TURN_LIMIT = 3  # the ACT role called tools in its last allowed message
-    INVALID = 4  # an abort token, or (set on the host) an unparseable action
-    AWAITING_ENV = 5  # host-turn mode: waiting for the environment's observation
-
-
-MODES = ("generate", "rehearse", "host")
+LOOP_MODES = ("generate", "rehearse", "host")  # values of TurnSpec.mode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +76,8 @@ class TurnSpec:
     max_message_tokens: int = 512
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"TurnSpec.mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in LOOP_MODES:
+            raise ValueError(f"TurnSpec.mode must be one of {LOOP_MODES}, got {self.mode!r}")
         if self.mode == "rehearse" and not (self.act_to_rehearse and self.rehearse_to_act):
             raise ValueError("TurnSpec: mode 'rehearse' needs act_to_rehearse and rehearse_to_act")
         if self.max_turns < 1 or self.max_message_tokens < 1:
@@ -206,7 +191,7 @@ def init_state(
         length=prompt_lens,
         budget=budget.astype(jnp.int32),
         cache=cache,
-        role=jnp.full((B,), ACT, jnp.int8),
+        role=jnp.full((B,), Role.ACT, jnp.int8),
         segment=zeros_b,
         in_message=jnp.zeros((B,), bool),
         message_tokens=zeros_b,
@@ -254,14 +239,14 @@ def _step(
         return buf.at[rows, write_at].set(jnp.where(active, value, buf[rows, write_at]))
 
     tokens = put(s.tokens, tok)
-    roles = put(s.roles, jnp.where(forced, CONTEXT, s.role).astype(jnp.int8))
+    roles = put(s.roles, jnp.where(forced, Role.CONTEXT, s.role).astype(jnp.int8))
     segments = put(s.segments, jnp.where(forced, 0, segment))
     logprobs = put(s.logprobs, jnp.where(forced, 0.0, logprob))
     length = s.length + active
     queue_pos = s.queue_pos + (active & forced)
     message_tokens = jnp.where(opens, 0, s.message_tokens) + generated
 
-    is_act = s.role == ACT
+    is_act = s.role == Role.ACT
     ended = generated & (tok == spec.end_id)
     aborted = generated & jnp.isin(tok, jnp.asarray(spec.abort_ids or (-1,), jnp.int32))
     called_tool = s.called_tool | (generated & is_act & (tok == spec.tool_call_id))
@@ -287,7 +272,7 @@ def _step(
         queue, queue_len = enqueue(
             go, _padded(spec.act_to_rehearse, queue.shape[1])[None], len(spec.act_to_rehearse)
         )
-        role = jnp.where(go, REHEARSE, role)
+        role = jnp.where(go, Role.REHEARSE, role)
         status = jnp.where(over_turns, Status.TURN_LIMIT, status)
     elif spec.mode == "host":
         status = jnp.where(over_turns, Status.TURN_LIMIT, status)
@@ -300,7 +285,7 @@ def _step(
         _padded(spec.rehearse_to_act, queue.shape[1])[None],
         len(spec.rehearse_to_act),
     )
-    role = jnp.where(rehearse_end, ACT, role)
+    role = jnp.where(rehearse_end, Role.ACT, role)
     # A final reply: replay the next user turn, or finish.
     has_next = s.user_turn < s.num_user_turns
     next_turn = act_final_end & has_next
@@ -398,7 +383,7 @@ def append_tokens(
     cols = jnp.where(valid, positions, T)  # T is out of bounds: dropped
     rows = jnp.arange(B)[:, None]
     tokens = state.tokens.at[rows, cols].set(chunk, mode="drop")
-    roles = state.roles.at[rows, cols].set(CONTEXT, mode="drop")
+    roles = state.roles.at[rows, cols].set(Role.CONTEXT, mode="drop")
     segments = state.segments.at[rows, cols].set(0, mode="drop")
     logprobs = state.logprobs.at[rows, cols].set(0.0, mode="drop")
     model = nnx.merge(graphdef, params)
@@ -421,7 +406,7 @@ def append_tokens(
         logprobs=logprobs,
         length=state.length + jnp.where(take, chunk_lens, 0),
         cache=cache,
-        role=jnp.where(take, ACT, state.role).astype(jnp.int8),
+        role=jnp.where(take, Role.ACT, state.role).astype(jnp.int8),
         status=status.astype(jnp.int8),
     )
 

@@ -32,7 +32,7 @@ from envace_jax.sampling import loop
 from envace_jax.sampling.distributions import SamplingParams
 
 
-def bucket(n: int, minimum: int = 16) -> int:
+def pow2_bucket(n: int, minimum: int = 16) -> int:
     """The smallest power of two >= max(n, minimum)."""
     b = minimum
     while b < n:
@@ -93,8 +93,8 @@ class Sampler:
             raise ValueError("Sampler.start: every prompt needs at least one token")
         budget = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (len(prompts),))
         longest = _agreed(max(len(p) for p in prompts), layout)
-        P = bucket(longest)
-        T = max_len or bucket(longest + _agreed(int(budget.max()), layout))
+        P = pow2_bucket(longest)
+        T = max_len or pow2_bucket(longest + _agreed(int(budget.max()), layout))
         if T < longest + 1:
             raise ValueError(f"max_len {T} leaves no room after a {longest}-token prompt")
         ut, ut_lens = self._user_turns(user_turns, len(prompts), layout)
@@ -127,7 +127,7 @@ class Sampler:
         """Host turns: appends each paused row's observation ids (None/empty: nothing) and
         decodes on. The observation ids include the chat glue around the tool responses.
         With a `layout`, `observations` are this process's rows (every process calls this)."""
-        C = bucket(_agreed(max((len(o) for o in observations if o), default=1), layout))
+        C = pow2_bucket(_agreed(max((len(o) for o in observations if o), default=1), layout))
         chunk = pad_rows([o or [] for o in observations], C, self.pad_id)
         lens = np.asarray([len(o or []) for o in observations], np.int32)
         with _on_mesh(layout):
@@ -192,7 +192,7 @@ class Sampler:
         U = _agreed(max(len(t) for t in user_turns), layout)
         if U == 0:  # no process has later user turns
             return None, None
-        W = bucket(
+        W = pow2_bucket(
             _agreed(max((len(x) for t in user_turns for x in t), default=1), layout), minimum=8
         )
         ids = np.zeros((batch, U, W), np.int32)

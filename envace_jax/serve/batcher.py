@@ -52,6 +52,7 @@ from flax import nnx
 from envace_jax.sampling import loop
 from envace_jax.sampling.distributions import RowSampling, SamplingParams
 from envace_jax.sampling.sampler import pad_rows
+from envace_jax.text.codes import Status
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ DEFAULT_ROW_BUCKETS = (1, 4, 16, 32)
 _IDLE_ROW = SamplingParams(greedy=True)  # free rows: no truncation work in the sampler
 
 
-def bucket(n: int, minimum: int = 16) -> int:
+def half_octave_bucket(n: int, minimum: int = 16) -> int:
     """The smallest of minimum * (1, 1.5, 2, 3, 4, 6, ...) that is >= n (see the module
     docstring: padding waste at most a third instead of a half)."""
     b = minimum
@@ -161,8 +162,8 @@ def _window(tokens: jax.Array, logprobs: jax.Array, start: jax.Array, width: int
 
 def _cancel_rows(state: loop.LoopState, rows: jax.Array) -> loop.LoopState:
     """Stops rows (bool [B]) that are still running; their slots can then be reused."""
-    running = state.status == loop.Status.RUNNING
-    status = jnp.where(rows & running, loop.Status.FINISHED, state.status)
+    running = state.status == Status.RUNNING
+    status = jnp.where(rows & running, Status.FINISHED, state.status)
     return state.replace(status=status.astype(state.status.dtype))
 
 
@@ -342,7 +343,7 @@ class Engine:
         """A fresh state of `rows` rows (sequences first, then empty padding rows)."""
         prompts = [list(s.prompt) for s in seqs] + [[self.pad_id]] * (rows - len(seqs))
         budgets = [s.max_new_tokens for s in seqs] + [0] * (rows - len(seqs))
-        width = bucket(max(len(p) for p in prompts))
+        width = half_octave_bucket(max(len(p) for p in prompts))
         self._key, key = jax.random.split(self._key)
         return self._init(
             self.graphdef,
@@ -365,7 +366,7 @@ class Engine:
             ]
             self._joining = group
         rows = self._rows_bucket(len(group))
-        max_len = bucket(max(s.need for s in group))
+        max_len = half_octave_bucket(max(s.need for s in group))
         state = self._prefill(group, rows, max_len)
         batch = _Batch(state, [None] * rows, np.zeros(rows, np.int64))
         for i, seq in enumerate(group):
@@ -422,7 +423,7 @@ class Engine:
                 continue
             n = int(length[slot] - batch.prompt_len[slot]) - seq.emitted
             st = int(status[slot])
-            stopped = st not in (loop.Status.RUNNING,)
+            stopped = st not in (Status.RUNNING,)
             ids, logp = toks[slot, :n].tolist(), lps[slot, :n].tolist()
             total = seq.emitted + n
             # Read once: a callback or the server thread may cancel the row while this loop
@@ -431,10 +432,10 @@ class Engine:
             cancelled = seq.cancelled
             if cancelled:
                 reason = "cancelled"
-            elif st in (loop.Status.FINISHED, loop.Status.INVALID):
+            elif st in (Status.FINISHED, Status.INVALID):
                 reason = "stop"
                 ids, logp = ids[:-1], logp[:-1]  # the stop token itself is not text
-            elif st == loop.Status.TRUNCATED:
+            elif st == Status.TRUNCATED:
                 reason = "length"
             else:
                 reason = None

@@ -16,6 +16,7 @@ from envace_jax.text.chat import (
     render,
     render_text,
 )
+from envace_jax.text.codes import Role, Status
 from envace_jax.text.role_pieces import (
     RolePieces,
     prompt_ids,
@@ -37,7 +38,7 @@ from envace_jax.text.tool_calls import (
     sanitize_text,
     validate_schema,
 )
-from envace_jax.text.trajectory import EncodedConversation, Role, encode_conversation
+from envace_jax.text.trajectory import EncodedConversation, encode_conversation
 
 __all__ = [
     "DEMO",
@@ -50,6 +51,7 @@ __all__ = [
     "Role",
     "RolePieces",
     "SpecialIds",
+    "Status",
     "TemplateLayoutError",
     "ToolCall",
     "ToolCallError",

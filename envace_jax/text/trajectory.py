@@ -17,19 +17,13 @@ Used for warm-start SFT demonstrations and as the reference for sampled trajecto
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from envace_jax.text.chat import chat_layout, decode, encode, render_text
+from envace_jax.text.codes import Role
 from envace_jax.text.role_pieces import role_pieces, tool_responses_text
-
-
-class Role(enum.IntEnum):
-    CONTEXT = 0
-    ACT = 1
-    REHEARSE = 2
 
 
 @dataclasses.dataclass(frozen=True)
