@@ -13,28 +13,27 @@ Every error is answered in OpenAI's format (`errors`) with a 4xx: bad JSON, unkn
 wrong types, text that is not valid Unicode, unknown model, over-long prompt, `max_tokens`
 beyond the context, unsupported parameter values, a missing or wrong API key, a body over the
 size limit. A fault of the server is a 500 with a request id, the details in the server log.
+
+The handlers are module-level functions, one module per route family (`completions`, `chat`),
+sharing the application's `state.ServerState`; `streaming` writes server-sent events.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import json
-import uuid
-from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from envace_jax.serve import errors
 from envace_jax.serve import protocol as P
-from envace_jax.serve.batcher import Done, Engine, Tokens
-from envace_jax.serve.batcher import Sequence as EngineSeq
+from envace_jax.serve.batcher import Engine
+from envace_jax.serve.chat import chat
+from envace_jax.serve.completions import completions
 from envace_jax.serve.middleware import ApiKey, BodyLimit
 from envace_jax.serve.prompts import Prompts, longest_token_chars
-from envace_jax.serve.text_stream import ChoiceText
-from envace_jax.text.tool_calls import CALL_OPEN, parse_tool_calls
+from envace_jax.serve.state import ServerState, server
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,23 +58,8 @@ class ServerConfig:
     max_prompt_chars: int | None = None
 
 
-# Yielded by the event streams before they wait: what they yielded since is written at once.
-FLUSH = None
-
-
-@dataclasses.dataclass
-class _Choice:
-    seq: EngineSeq
-    text: ChoiceText
-    queue: asyncio.Queue
-    done: Done | None = None
-    prefix: str = ""  # forced start of the reply (tool_choice), part of the prompt
-
-
 def create_app(engine: Engine, tokenizer, config: ServerConfig):
     """The ASGI application; its lifespan starts and stops `engine`."""
-    created = P.now()
-    names = {config.model_name, *config.aliases}
     prompts = Prompts(
         tokenizer,
         config.max_model_len,
@@ -91,403 +75,32 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig):
 
     app = FastAPI(title="envace_jax", lifespan=lifespan, docs_url=None, redoc_url=None)
     errors.install(app)
-
-    # ------------------------------------------------------------------ helpers
-    def check_model(name: str) -> None:
-        if name not in names:
-            raise P.APIError(
-                404,
-                f"the model {name!r} does not exist; this server serves {config.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-
-    def check_supported(req) -> None:
-        bad = req.unsupported()
-        if bad:
-            field, why = bad[0]
-            raise P.APIError(400, f"{field}: {why}", param=field, code="unsupported_value")
-
-    def start_choices(prompt, max_new, sampling, n, make_text, prefix="") -> list[_Choice]:
-        aloop = asyncio.get_running_loop()
-        choices = []
-        for _ in range(n):
-            queue: asyncio.Queue = asyncio.Queue()
-
-            def on_event(ev, queue=queue):
-                aloop.call_soon_threadsafe(queue.put_nowait, ev)
-
-            seq = EngineSeq(tuple(prompt), max_new, sampling, on_event)
-            choices.append(_Choice(seq, make_text(), queue, prefix=prefix))
-        try:
-            for c in choices:
-                engine.submit(c.seq)
-        except RuntimeError as e:
-            for c in choices:
-                engine.cancel(c.seq)
-            raise P.APIError(503, str(e), type="server_error", code="shutting_down") from e
-        return choices
-
-    async def pump(choice: _Choice) -> bool:
-        """Waits for the next engine events of a choice and takes all that are queued (a row's
-        last tokens and its end come together: one wake-up, one write); False once done."""
-        if choice.done is not None:
-            return False
-        ev = await choice.queue.get()
-        while isinstance(ev, Tokens):
-            choice.text.add(ev.ids, ev.logprobs)
-            if choice.text.stopped:
-                engine.cancel(choice.seq)  # a stop sequence: no more tokens needed
-            if choice.queue.empty():
-                return True
-            ev = choice.queue.get_nowait()
-        choice.done = ev
-        if ev.finish_reason == "error":
-            raise errors.server_fault("generation failed", ev.error)
-        return False
-
-    async def run_all(choices: list[_Choice], request: Request) -> bool:
-        """Runs the choices to their end; False if the client disconnected first (the rows
-        are then cancelled)."""
-
-        async def one(c):
-            while await pump(c):
-                pass
-
-        work = asyncio.ensure_future(asyncio.gather(*(one(c) for c in choices)))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-            if work.done():
-                work.result()  # raises what the work raised
-                return True
-            return False
-        finally:
-            for task in (work, gone):
-                task.cancel()
-            for c in choices:
-                if c.done is None:
-                    engine.cancel(c.seq)
-
-    def finish_reason(c: _Choice) -> str:
-        if c.text.stopped:
-            return "stop"
-        return {"cancelled": "stop"}.get(c.done.finish_reason, c.done.finish_reason)
-
-    # ------------------------------------------------------------------ routes
-    @app.get("/health")
-    async def health():
-        ok = engine.running
-        body = {"status": "ok" if ok else "engine stopped", "engine": dict(engine.stats)}
-        return JSONResponse(body, 200 if ok else 503)
-
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [P.model_card(config.model_name, config.max_model_len, created)],
-        }
-
-    @app.get("/v1/models/{name:path}")
-    async def model(name: str):
-        check_model(name)
-        return P.model_card(config.model_name, config.max_model_len, created)
-
-    # ---------------------------------------------------------------- completions
-    @app.post("/v1/completions")
-    async def completions(req: P.CompletionRequest, request: Request):
-        check_model(req.model)
-        check_supported(req)
-        prompt_ids = await prompts.completion(req)
-        budgets = [
-            prompts.budget(len(p), req.max_tokens, None, "max_tokens", "prompt") for p in prompt_ids
-        ]
-        sampling = req.sampling_params()
-        stops, stop_ids = req.stop_list(), req.stop_token_ids or ()
-
-        def make_text():
-            return ChoiceText(
-                tokenizer,
-                stops=stops,
-                stop_ids=stop_ids,
-                skip_special_tokens=req.skip_special_tokens,
-            )
-
-        choices = []
-        for p, b in zip(prompt_ids, budgets, strict=True):
-            choices += start_choices(p, b, sampling, req.n, make_text)
-        rid, model_name = P.new_id("cmpl"), req.model
-        prompt_tokens = sum(len(p) for p in prompt_ids)
-        if req.stream:
-            return _sse(
-                _stream_completion(choices, rid, model_name, req, prompt_tokens), choices, engine
-            )
-        if not await run_all(choices, request):
-            return _GONE
-        out = []
-        for i, c in enumerate(choices):
-            text = c.text.text
-            if req.echo:
-                text = render_ids(prompt_ids[i // req.n]) + text
-            item = {"index": i, "text": text, "finish_reason": finish_reason(c), "logprobs": None}
-            if req.logprobs is not None:
-                item["logprobs"] = completion_logprobs(c)
-            out.append(item)
-        completion_tokens = sum(c.done.num_generated for c in choices)
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": P.now(),
-            "model": model_name,
-            "choices": out,
-            "usage": P.usage(prompt_tokens, completion_tokens),
-        }
-
-    def render_ids(ids) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=False)
-
-    def completion_logprobs(c: _Choice) -> dict:
-        tokens = c.text.token_texts()
-        offsets, pos = [], 0
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": c.text.logprobs,
-            "top_logprobs": None,
-            "text_offset": offsets,
-        }
-
-    async def _stream_completion(choices, rid, model_name, req, prompt_tokens):
-        sent = [""] * len(choices)
-        pending = {asyncio.ensure_future(pump(c)): i for i, c in enumerate(choices)}
-        while pending:
-            yield FLUSH
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                i = pending.pop(fut)
-                c = choices[i]
-                more = fut.result()
-                text = c.text.streamable(finished=not more)
-                if len(text) > len(sent[i]):
-                    delta, sent[i] = text[len(sent[i]) :], text
-                    yield _chunk_completion(rid, model_name, i, delta, None)
-                if more:
-                    pending[asyncio.ensure_future(pump(c))] = i
-                else:
-                    yield _chunk_completion(rid, model_name, i, "", finish_reason(c))
-        if req.stream_options and req.stream_options.include_usage:
-            n = sum(c.done.num_generated for c in choices)
-            yield {
-                "id": rid,
-                "object": "text_completion",
-                "created": P.now(),
-                "model": model_name,
-                "choices": [],
-                "usage": P.usage(prompt_tokens, n),
-            }
-
-    def _chunk_completion(rid, model_name, i, text, reason):
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": P.now(),
-            "model": model_name,
-            "choices": [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}],
-        }
-
-    # ---------------------------------------------------------------- chat
-    @app.post("/v1/chat/completions")
-    async def chat(req: P.ChatCompletionRequest, request: Request):
-        check_model(req.model)
-        check_supported(req)
-        built = await prompts.chat(req)
-        prompt, prefix, parse_calls = built.ids, built.prefix, built.parse_calls
-        requested = req.max_completion_tokens or req.max_tokens
-        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        max_new = prompts.budget(
-            len(prompt), requested, config.default_max_tokens, param, "messages"
-        )
-        stops = req.stop_list()
-        hold = (CALL_OPEN,) if parse_calls else ()
-
-        def make_text():
-            return ChoiceText(tokenizer, stops=stops, stop_ids=req.stop_token_ids or (), hold=hold)
-
-        choices = start_choices(prompt, max_new, req.sampling_params(), req.n, make_text, prefix)
-        rid, model_name = P.new_id("chatcmpl"), req.model
-        if req.stream:
-            return _sse(
-                _stream_chat(choices, rid, model_name, req, len(prompt), parse_calls),
-                choices,
-                engine,
-            )
-        if not await run_all(choices, request):
-            return _GONE
-        out = []
-        for i, c in enumerate(choices):
-            message, reason = chat_message(c, parse_calls, req.parallel_tool_calls)
-            item = {"index": i, "message": message, "finish_reason": reason, "logprobs": None}
-            if req.logprobs:
-                item["logprobs"] = chat_logprobs(c)
-            out.append(item)
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": P.now(),
-            "model": model_name,
-            "choices": out,
-            "usage": P.usage(len(prompt), sum(c.done.num_generated for c in choices)),
-        }
-
-    def parsed_calls(c: _Choice, parse_calls: bool, parallel: bool | None):
-        """(content, OpenAI tool calls or None) of a finished choice."""
-        full = c.prefix + c.text.text
-        if not parse_calls:
-            return full, None
-        action = parse_tool_calls(full)
-        if action.error is not None or not action.calls:
-            return full, None
-        calls = list(action.calls)[: 1 if parallel is False else None]
-        out = [{"id": "call_" + uuid.uuid4().hex[:24], **call.to_openai()} for call in calls]
-        return action.content, out
-
-    def chat_message(c: _Choice, parse_calls: bool, parallel) -> tuple[dict, str]:
-        content, calls = parsed_calls(c, parse_calls, parallel)
-        reason = finish_reason(c)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["content"] = content or None
-            message["tool_calls"] = calls
-            if reason == "stop":
-                reason = "tool_calls"
-        return message, reason
-
-    def chat_logprobs(c: _Choice) -> dict:
-        return {
-            "content": [
-                {
-                    "token": t,
-                    "logprob": lp,
-                    "bytes": list(t.encode("utf-8")),
-                    "top_logprobs": [],
-                }
-                for t, lp in zip(c.text.token_texts(), c.text.logprobs, strict=True)
-            ]
-        }
-
-    async def _stream_chat(choices, rid, model_name, req, prompt_tokens, parse_calls):
-        def chunk(i, delta, reason=None):
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": P.now(),
-                "model": model_name,
-                "choices": [
-                    {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
-                ],
-            }
-
-        sent = [""] * len(choices)
-        for i in range(len(choices)):
-            yield chunk(i, {"role": "assistant", "content": ""})
-
-        def visible(c: _Choice, finished: bool) -> str:
-            """Content safe to stream: before any tool-call block, trailing newline held."""
-            if parse_calls and c.prefix:
-                return ""  # a forced call: the reply is a tool call from its first token
-            text = c.text.streamable(finished)
-            if parse_calls:
-                cut = text.find(CALL_OPEN)
-                if cut >= 0:
-                    text = text[:cut]
-                if text.endswith("\n") and (cut >= 0 or not finished):
-                    text = text[:-1]
-            return text
-
-        pending = {asyncio.ensure_future(pump(c)): i for i, c in enumerate(choices)}
-        while pending:
-            yield FLUSH
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                i = pending.pop(fut)
-                c = choices[i]
-                more = fut.result()
-                if more:
-                    text = visible(c, False)
-                    if len(text) > len(sent[i]):
-                        yield chunk(i, {"content": text[len(sent[i]) :]})
-                        sent[i] = text
-                    pending[asyncio.ensure_future(pump(c))] = i
-                    continue
-                message, reason = chat_message(c, parse_calls, req.parallel_tool_calls)
-                content = message.get("content") or ""
-                if message.get("tool_calls") is None:
-                    content = c.prefix + c.text.text
-                if content.startswith(sent[i]) and len(content) > len(sent[i]):
-                    yield chunk(i, {"content": content[len(sent[i]) :]})
-                if message.get("tool_calls"):
-                    deltas = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-                    yield chunk(i, {"tool_calls": deltas})
-                yield chunk(i, {}, reason)
-        if req.stream_options and req.stream_options.include_usage:
-            n = sum(c.done.num_generated for c in choices)
-            yield {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": P.now(),
-                "model": model_name,
-                "choices": [],
-                "usage": P.usage(prompt_tokens, n),
-            }
-
+    names = frozenset({config.model_name, *config.aliases})
+    app.state.server = ServerState(engine, tokenizer, config, prompts, names, P.now())
+    app.get("/health")(health)
+    app.get("/v1/models")(models)
+    app.get("/v1/models/{name:path}")(model)
+    app.post("/v1/completions")(completions)
+    app.post("/v1/chat/completions")(chat)
     # The key is checked before the body is read: a client without it costs no buffering.
     asgi = BodyLimit(app, config.max_request_bytes)
     return ApiKey(asgi, config.api_key) if config.api_key else asgi
 
 
-# The answer to a client that disconnected before its answer was ready (no one reads it).
-_GONE = Response(status_code=499)
+async def health(request: Request):
+    engine = server(request).engine
+    ok = engine.running
+    body = {"status": "ok" if ok else "engine stopped", "engine": dict(engine.stats)}
+    return JSONResponse(body, 200 if ok else 503)
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has disconnected (the body has been read by then, so the
-    connection's next message is its end)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+async def models(request: Request):
+    state = server(request)
+    card = P.model_card(state.config.model_name, state.config.max_model_len, state.created)
+    return {"object": "list", "data": [card]}
 
 
-def _sse(events: AsyncIterator[dict | None], choices: Sequence[_Choice], engine: Engine):
-    """Server-sent events; an error mid-stream is sent as an error event. Sequences still
-    running when the client goes away are cancelled.
-
-    Events are written in one piece per `FLUSH` (the stream is about to wait for the engine),
-    not one by one: a choice's last text, its finish, the usage and `[DONE]` are one write
-    instead of four, and each write costs a pass through the ASGI stack and a system call on
-    the event loop the whole server shares.
-    """
-
-    async def body():
-        out = []
-        try:
-            try:
-                async for ev in events:
-                    if ev is not FLUSH:
-                        out.append(f"data: {json.dumps(ev, ensure_ascii=False)}\n\n")
-                    elif out:
-                        yield "".join(out)
-                        out = []
-            except P.APIError as e:
-                out.append(f"data: {json.dumps(e.body())}\n\n")
-            except Exception as e:  # the response has started: the fault goes in the stream
-                fault = errors.server_fault("internal error while streaming", e)
-                out.append(f"data: {json.dumps(fault.body())}\n\n")
-            out.append("data: [DONE]\n\n")
-            yield "".join(out)
-        finally:
-            for c in choices:
-                if c.done is None:
-                    engine.cancel(c.seq)
-
-    return StreamingResponse(body(), media_type="text/event-stream")
+async def model(name: str, request: Request):
+    state = server(request)
+    state.check_model(name)
+    return P.model_card(state.config.model_name, state.config.max_model_len, state.created)

@@ -1,0 +1,141 @@
+"""`POST /v1/chat/completions`: messages and tools in; content and parsed tool calls out.
+
+A reply whose tool-call blocks parse is returned as `tool_calls` (finish reason `tool_calls`),
+anything else as plain content. Streaming sends content as it is generated, holding back
+everything from the first tool-call block on, and the parsed calls in one delta at the end.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import Request
+
+from envace_jax.serve import protocol as P
+from envace_jax.serve.state import GONE, Choice, envelope, finish_reason, server
+from envace_jax.serve.streaming import progress, sse, usage_chunk
+from envace_jax.serve.text_stream import ChoiceText
+from envace_jax.text.tool_calls import CALL_OPEN, parse_tool_calls
+
+
+async def chat(req: P.ChatCompletionRequest, request: Request):
+    state = server(request, req)
+    built = await state.prompts.chat(req)
+    prompt, prefix, parse_calls = built.ids, built.prefix, built.parse_calls
+    requested = req.max_completion_tokens or req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    max_new = state.prompts.budget(
+        len(prompt), requested, state.config.default_max_tokens, param, "messages"
+    )
+    stops = req.stop_list()
+    hold = (CALL_OPEN,) if parse_calls else ()
+
+    def make_text():
+        return ChoiceText(
+            state.tokenizer, stops=stops, stop_ids=req.stop_token_ids or (), hold=hold
+        )
+
+    choices = state.start_choices(prompt, max_new, req.sampling_params(), req.n, make_text, prefix)
+    rid, model_name = P.new_id("chatcmpl"), req.model
+    if req.stream:
+        events = _stream(state, choices, rid, model_name, req, len(prompt), parse_calls)
+        return sse(events, choices, state.engine)
+    if not await state.run_all(choices, request):
+        return GONE
+    out = []
+    for i, c in enumerate(choices):
+        message, reason = _message(c, parse_calls, req.parallel_tool_calls)
+        item = {"index": i, "message": message, "finish_reason": reason, "logprobs": None}
+        if req.logprobs:
+            item["logprobs"] = _logprobs(c)
+        out.append(item)
+    usage = P.usage(len(prompt), sum(c.done.num_generated for c in choices))
+    return envelope("chat.completion", rid, model_name, out, usage=usage)
+
+
+def _parsed_calls(c: Choice, parse_calls: bool, parallel: bool | None):
+    """(content, OpenAI tool calls or None) of a finished choice."""
+    full = c.prefix + c.text.text
+    if not parse_calls:
+        return full, None
+    action = parse_tool_calls(full)
+    if action.error is not None or not action.calls:
+        return full, None
+    calls = list(action.calls)[: 1 if parallel is False else None]
+    out = [{"id": "call_" + uuid.uuid4().hex[:24], **call.to_openai()} for call in calls]
+    return action.content, out
+
+
+def _message(c: Choice, parse_calls: bool, parallel) -> tuple[dict, str]:
+    content, calls = _parsed_calls(c, parse_calls, parallel)
+    reason = finish_reason(c)
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["content"] = content or None
+        message["tool_calls"] = calls
+        if reason == "stop":
+            reason = "tool_calls"
+    return message, reason
+
+
+def _logprobs(c: Choice) -> dict:
+    return {
+        "content": [
+            {
+                "token": t,
+                "logprob": lp,
+                "bytes": list(t.encode("utf-8")),
+                "top_logprobs": [],
+            }
+            for t, lp in zip(c.text.token_texts(), c.text.logprobs, strict=True)
+        ]
+    }
+
+
+def _visible(c: Choice, parse_calls: bool, finished: bool) -> str:
+    """Content safe to stream: before any tool-call block, trailing newline held."""
+    if parse_calls and c.prefix:
+        return ""  # a forced call: the reply is a tool call from its first token
+    text = c.text.streamable(finished)
+    if parse_calls:
+        cut = text.find(CALL_OPEN)
+        if cut >= 0:
+            text = text[:cut]
+        if text.endswith("\n") and (cut >= 0 or not finished):
+            text = text[:-1]
+    return text
+
+
+async def _stream(state, choices, rid, model_name, req, prompt_tokens, parse_calls):
+    def chunk(i, delta, reason=None):
+        choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
+        return envelope("chat.completion.chunk", rid, model_name, [choice])
+
+    sent = [""] * len(choices)
+
+    def events(i: int, more: bool) -> list[dict]:
+        c = choices[i]
+        if more:
+            text = _visible(c, parse_calls, False)
+            if len(text) <= len(sent[i]):
+                return []
+            delta, sent[i] = text[len(sent[i]) :], text
+            return [chunk(i, {"content": delta})]
+        message, reason = _message(c, parse_calls, req.parallel_tool_calls)
+        content = message.get("content") or ""
+        if message.get("tool_calls") is None:
+            content = c.prefix + c.text.text
+        out = []
+        if content.startswith(sent[i]) and len(content) > len(sent[i]):
+            out.append(chunk(i, {"content": content[len(sent[i]) :]}))
+        if message.get("tool_calls"):
+            deltas = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            out.append(chunk(i, {"tool_calls": deltas}))
+        return [*out, chunk(i, {}, reason)]
+
+    for i in range(len(choices)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async for ev in progress(state, choices, events):
+        yield ev
+    if req.stream_options and req.stream_options.include_usage:
+        yield usage_chunk("chat.completion.chunk", rid, model_name, prompt_tokens, choices)

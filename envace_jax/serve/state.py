@@ -1,0 +1,165 @@
+"""The server's state and the choice machinery every generating route shares.
+
+One `ServerState` per application (on `app.state.server`) holds the engine, the tokenizer, the
+prompt builder and the config; the route handlers are module-level functions that fetch it
+with `server(request)`. A `Choice` is one generated answer: its engine sequence, the text it
+has produced, and the queue the engine's thread fills with its events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from envace_jax.serve import errors
+from envace_jax.serve import protocol as P
+from envace_jax.serve.batcher import Done, Engine, Tokens
+from envace_jax.serve.batcher import Sequence as EngineSeq
+from envace_jax.serve.prompts import Prompts
+from envace_jax.serve.text_stream import ChoiceText
+
+if TYPE_CHECKING:
+    from envace_jax.serve.app import ServerConfig
+
+
+@dataclasses.dataclass
+class Choice:
+    seq: EngineSeq
+    text: ChoiceText
+    queue: asyncio.Queue
+    done: Done | None = None
+    prefix: str = ""  # forced start of the reply (tool_choice), part of the prompt
+
+
+@dataclasses.dataclass
+class ServerState:
+    """What the handlers share. names: the model ids requests may use; created: the model
+    card's creation time."""
+
+    engine: Engine
+    tokenizer: Any
+    config: ServerConfig
+    prompts: Prompts
+    names: frozenset[str]
+    created: int
+
+    def check_model(self, name: str) -> None:
+        if name not in self.names:
+            raise P.APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.config.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def start_choices(self, prompt, max_new, sampling, n, make_text, prefix="") -> list[Choice]:
+        aloop = asyncio.get_running_loop()
+        choices = []
+        for _ in range(n):
+            queue: asyncio.Queue = asyncio.Queue()
+
+            def on_event(ev, queue=queue):
+                aloop.call_soon_threadsafe(queue.put_nowait, ev)
+
+            seq = EngineSeq(tuple(prompt), max_new, sampling, on_event)
+            choices.append(Choice(seq, make_text(), queue, prefix=prefix))
+        try:
+            for c in choices:
+                self.engine.submit(c.seq)
+        except RuntimeError as e:
+            for c in choices:
+                self.engine.cancel(c.seq)
+            raise P.APIError(503, str(e), type="server_error", code="shutting_down") from e
+        return choices
+
+    async def pump(self, choice: Choice) -> bool:
+        """Waits for the next engine events of a choice and takes all that are queued (a row's
+        last tokens and its end come together: one wake-up, one write); False once done."""
+        if choice.done is not None:
+            return False
+        ev = await choice.queue.get()
+        while isinstance(ev, Tokens):
+            choice.text.add(ev.ids, ev.logprobs)
+            if choice.text.stopped:
+                self.engine.cancel(choice.seq)  # a stop sequence: no more tokens needed
+            if choice.queue.empty():
+                return True
+            ev = choice.queue.get_nowait()
+        choice.done = ev
+        if ev.finish_reason == "error":
+            raise errors.server_fault("generation failed", ev.error)
+        return False
+
+    async def run_all(self, choices: list[Choice], request: Request) -> bool:
+        """Runs the choices to their end; False if the client disconnected first (the rows
+        are then cancelled)."""
+
+        async def one(c):
+            while await self.pump(c):
+                pass
+
+        work = asyncio.ensure_future(asyncio.gather(*(one(c) for c in choices)))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                work.result()  # raises what the work raised
+                return True
+            return False
+        finally:
+            for task in (work, gone):
+                task.cancel()
+            for c in choices:
+                if c.done is None:
+                    self.engine.cancel(c.seq)
+
+
+def server(request: Request, req=None) -> ServerState:
+    """The state of the application serving `request`; given the parsed body `req` of a
+    generation request, once its model and parameters are checked."""
+    state = request.app.state.server
+    if req is not None:
+        state.check_model(req.model)
+        check_supported(req)
+    return state
+
+
+def envelope(obj: str, rid: str, model_name: str, choices: list, **more) -> dict:
+    """A response or stream event of OpenAI's shape: id, object, created, model, choices, and
+    `more` (usage)."""
+    return {
+        "id": rid,
+        "object": obj,
+        "created": P.now(),
+        "model": model_name,
+        "choices": choices,
+        **more,
+    }
+
+
+def check_supported(req) -> None:
+    bad = req.unsupported()
+    if bad:
+        field, why = bad[0]
+        raise P.APIError(400, f"{field}: {why}", param=field, code="unsupported_value")
+
+
+def finish_reason(c: Choice) -> str:
+    if c.text.stopped:
+        return "stop"
+    return {"cancelled": "stop"}.get(c.done.finish_reason, c.done.finish_reason)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has disconnected (the body has been read by then, so the
+    connection's next message is its end)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# The answer to a client that disconnected before its answer was ready (no one reads it).
+GONE = Response(status_code=499)
