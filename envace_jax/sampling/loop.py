@@ -36,7 +36,7 @@ rewrites its cache slot with the same values.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -210,6 +210,15 @@ def init_state(
     )
 
 
+class _Written(NamedTuple):
+    """What one step wrote, per row [B]: the token, and which rows wrote / sampled / opened."""
+
+    tok: jax.Array  # the token written: the next queued one, or the sampled one
+    active: jax.Array  # the row was RUNNING, so it wrote a token
+    generated: jax.Array  # the token was sampled (nothing was queued)
+    opens: jax.Array  # the sampled token opens a new message (segment)
+
+
 def _step(
     graphdef,
     params,
@@ -219,14 +228,21 @@ def _step(
     s: LoopState,
 ) -> LoopState:
     """One token for every running row; every row's length must be <= `window`."""
-    B, T = s.tokens.shape
-    rows = jnp.arange(B)
+    rows = jnp.arange(s.tokens.shape[0])
     model = nnx.merge(graphdef, params)
     last = s.length - 1
     inp = s.tokens[rows, last][:, None]
     logits, cache = model(inp, last[:, None], cache=s.cache, kv_window=window)
     sampled, logprob = sample_next(logits[:, 0], jax.random.fold_in(s.key, s.step), sampling)
+    written, w = _write_token(s, sampled, logprob)
+    return _transition(spec, written, w).replace(cache=cache, step=s.step + 1)
 
+
+def _write_token(s: LoopState, sampled: jax.Array, logprob: jax.Array):
+    """Writes each running row's next token (queued, tagged CONTEXT; else sampled, tagged with
+    the row's role) and its role, segment and log-prob. Returns the state and `_Written`."""
+    B, T = s.tokens.shape
+    rows = jnp.arange(B)
     active = s.status == Status.RUNNING
     forced = s.queue_pos < s.queue_len
     generated = active & ~forced
@@ -238,18 +254,27 @@ def _step(
     def put(buf, value):
         return buf.at[rows, write_at].set(jnp.where(active, value, buf[rows, write_at]))
 
-    tokens = put(s.tokens, tok)
-    roles = put(s.roles, jnp.where(forced, Role.CONTEXT, s.role).astype(jnp.int8))
-    segments = put(s.segments, jnp.where(forced, 0, segment))
-    logprobs = put(s.logprobs, jnp.where(forced, 0.0, logprob))
-    length = s.length + active
-    queue_pos = s.queue_pos + (active & forced)
-    message_tokens = jnp.where(opens, 0, s.message_tokens) + generated
+    written = s.replace(
+        tokens=put(s.tokens, tok),
+        roles=put(s.roles, jnp.where(forced, Role.CONTEXT, s.role).astype(jnp.int8)),
+        segments=put(s.segments, jnp.where(forced, 0, segment)),
+        logprobs=put(s.logprobs, jnp.where(forced, 0.0, logprob)),
+        length=s.length + active,
+        queue_pos=s.queue_pos + (active & forced),
+        message_tokens=jnp.where(opens, 0, s.message_tokens) + generated,
+        segment=segment,
+    )
+    return written, _Written(tok, active, generated, opens)
 
+
+def _transition(spec: TurnSpec, s: LoopState, w: _Written) -> LoopState:
+    """The state change after the token `w` (the module docstring's table): a message that
+    ended queues its glue or the next user turn and switches role, or stops the row."""
+    rows = jnp.arange(s.tokens.shape[0])
     is_act = s.role == Role.ACT
-    ended = generated & (tok == spec.end_id)
-    aborted = generated & jnp.isin(tok, jnp.asarray(spec.abort_ids or (-1,), jnp.int32))
-    called_tool = s.called_tool | (generated & is_act & (tok == spec.tool_call_id))
+    ended = w.generated & (w.tok == spec.end_id)
+    aborted = w.generated & jnp.isin(w.tok, jnp.asarray(spec.abort_ids or (-1,), jnp.int32))
+    called_tool = s.called_tool | (w.generated & is_act & (w.tok == spec.tool_call_id))
     act_tool_end = ended & is_act & called_tool
     act_final_end = ended & is_act & ~called_tool
     rehearse_end = ended & ~is_act
@@ -260,7 +285,6 @@ def _step(
     # A message can only end while the queue is drained; start every transition empty.
     queue = s.queue
     queue_len = jnp.where(ended, 0, s.queue_len)
-    new_queue_pos = jnp.where(ended, 0, queue_pos)
 
     def enqueue(cond, ids_row, n):
         return jnp.where(cond[:, None], ids_row, queue), jnp.where(cond, n, queue_len)
@@ -293,33 +317,23 @@ def _step(
     if U:
         idx = jnp.minimum(s.user_turn, U - 1)
         queue, queue_len = enqueue(next_turn, s.user_turns[rows, idx], s.user_turn_lens[rows, idx])
-    user_turn = s.user_turn + next_turn
     status = jnp.where(act_final_end & ~has_next, Status.FINISHED, status)
     status = jnp.where(aborted, Status.INVALID, status)
     # Budgets: a message too long, or no room for the next token.
-    too_long = generated & ~ended & (message_tokens >= spec.max_message_tokens)
-    full = active & (length >= s.budget)
+    too_long = w.generated & ~ended & (s.message_tokens >= spec.max_message_tokens)
+    full = w.active & (s.length >= s.budget)
     status = jnp.where((too_long | full) & (status == Status.RUNNING), Status.TRUNCATED, status)
 
     return s.replace(
-        tokens=tokens,
-        roles=roles,
-        segments=segments,
-        logprobs=logprobs,
-        length=length,
-        cache=cache,
         role=role.astype(jnp.int8),
-        segment=segment,
-        in_message=(s.in_message | opens) & ~ended,
-        message_tokens=message_tokens,
+        in_message=(s.in_message | w.opens) & ~ended,
         called_tool=called_tool & ~ended,
         act_turns=act_turns,
-        user_turn=user_turn,
+        user_turn=s.user_turn + next_turn,
         queue=queue,
         queue_len=queue_len,
-        queue_pos=new_queue_pos,
+        queue_pos=jnp.where(ended, 0, s.queue_pos),
         status=status.astype(jnp.int8),
-        step=s.step + 1,
     )
 
 
