@@ -16,11 +16,55 @@ import math
 import os
 from typing import Any
 
-FAMILIES = ("qwen3", "llama")
+# Per family (HF `model_type`): its HF architecture name and whether it has q/k RMSNorm.
+_FAMILY_KEYS = {
+    "qwen3": {"architecture": "Qwen3ForCausalLM", "qk_norm": True},
+    "llama": {"architecture": "LlamaForCausalLM", "qk_norm": False},
+}
+FAMILIES = tuple(_FAMILY_KEYS)
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16")
-_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+# HF keys every config must have.
+_HF_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+# HF features the decoder does not implement: (key, default, supported(value), why).
+_HF_UNSUPPORTED = (
+    ("hidden_act", "silu", lambda v: v == "silu", "only 'silu' (SwiGLU) is implemented"),
+    (
+        "attention_bias",
+        False,
+        lambda v: not v,
+        "attention projections with bias are not implemented",
+    ),
+    ("mlp_bias", False, lambda v: not v, "MLP projections with bias are not implemented"),
+    ("pretraining_tp", 1, lambda v: v == 1, "only 1 is supported"),
+    ("use_sliding_window", False, lambda v: not v, "sliding-window attention is not implemented"),
+    (
+        "layer_types",
+        None,
+        lambda v: all(t == "full_attention" for t in v or ()),
+        "only 'full_attention' layers are implemented",
+    ),
+    *(
+        (key, None, lambda v: not v, "mixture-of-experts layers are not implemented")
+        for key in ("num_experts", "num_local_experts", "n_routed_experts")
+    ),
+)
+# ModelConfig field <- (HF key, default, conversion); the fields HF spells the same way, or
+# renames, and that need no other key to read.
+_HF_FIELDS = {
+    "vocab_size": ("vocab_size", None, None),
+    "hidden_size": ("hidden_size", None, None),
+    "intermediate_size": ("intermediate_size", None, None),
+    "num_layers": ("num_hidden_layers", None, None),
+    "rms_norm_eps": ("rms_norm_eps", 1e-6, float),
+    "tie_word_embeddings": ("tie_word_embeddings", False, bool),
+    "max_position_embeddings": ("max_position_embeddings", 4096, None),
+    "bos_token_id": ("bos_token_id", None, None),
+    "eos_token_id": ("eos_token_id", None, lambda v: tuple(v) if isinstance(v, list) else v),
+    "pad_token_id": ("pad_token_id", None, None),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,94 +200,28 @@ class ModelConfig:
         or replace read ones; the checkpoint's own dtype is not used (param_dtype and dtype
         default to float32). Unsupported features raise ValueError naming the key.
         """
-        source = "config dict"
-        if not isinstance(config, dict):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            source = path
-            try:
-                with open(path, encoding="utf-8") as f:
-                    config = json.load(f)
-            except FileNotFoundError as e:
-                raise ValueError(f"HF config not found: {path}") from e
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON ({e})") from e
-        c = dict(config)
+        c, source = _read_hf_config(config)
 
         def fail(key, why):
             raise ValueError(f"{source}: unsupported {key}={c.get(key)!r}: {why}")
 
-        family = c.get("model_type")
-        if family not in FAMILIES:
-            fail("model_type", f"supported model types are {FAMILIES}")
-        archs = c.get("architectures") or [_ARCHITECTURES[family]]
-        if list(archs) != [_ARCHITECTURES[family]]:
-            fail("architectures", f"expected [{_ARCHITECTURES[family]!r}]")
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"):
-            if key not in c:
-                raise ValueError(f"{source}: missing required key {key!r}")
-        if c.get("hidden_act", "silu") != "silu":
-            fail("hidden_act", "only 'silu' (SwiGLU) is implemented")
-        if c.get("attention_bias", False):
-            fail("attention_bias", "attention projections with bias are not implemented")
-        if c.get("mlp_bias", False):
-            fail("mlp_bias", "MLP projections with bias are not implemented")
-        if c.get("pretraining_tp", 1) != 1:
-            fail("pretraining_tp", "only 1 is supported")
-        if c.get("use_sliding_window", False):
-            fail("use_sliding_window", "sliding-window attention is not implemented")
-        if any(t != "full_attention" for t in c.get("layer_types") or ()):
-            fail("layer_types", "only 'full_attention' layers are implemented")
-        for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-            if c.get(key):
-                fail(key, "mixture-of-experts layers are not implemented")
-
-        # Rotary: v5 keeps everything in `rope_parameters`; v4 uses rope_theta + rope_scaling.
-        rope_params = dict(c.get("rope_parameters") or {})
-        legacy = c.get("rope_scaling") or {}
-        if not isinstance(rope_params, dict) or not isinstance(legacy, dict):
-            fail("rope_parameters", "expected a dict (per-layer-type rope is not supported)")
-        rope = {**legacy, **rope_params}
-        theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
-        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-        rope_key = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
-        if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
-            fail("partial_rotary_factor", "partial rotary embeddings are not implemented")
-        rope.pop("partial_rotary_factor", None)
-        if rope_type == "default":
-            rope_scaling = None
-        elif rope_type == "llama3":
-            missing = [k for k in _LLAMA3_KEYS if k not in rope]
-            if missing:
-                fail(rope_key, f"llama3 rope scaling is missing {missing}")
-            rope_scaling = {"rope_type": "llama3", **{k: rope[k] for k in _LLAMA3_KEYS}}
-        else:
-            fail(rope_key, f"rope_type {rope_type!r} is not supported (only 'default', 'llama3')")
-
+        family = _hf_family(c, source, fail)
+        rope_theta, rope_scaling = _hf_rope(c, fail)
         heads = c.get("num_attention_heads")
         if not heads:
             raise ValueError(f"{source}: missing required key 'num_attention_heads'")
-        head_dim = c.get("head_dim") or c["hidden_size"] // heads
-        eos = c.get("eos_token_id")
-        fields = dict(
+        fields = {
+            field: c.get(key, default) if convert is None else convert(c.get(key, default))
+            for field, (key, default, convert) in _HF_FIELDS.items()
+        }
+        fields.update(
             family=family,
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rope_theta=float(theta),
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qk_norm=family == "qwen3",
-            max_position_embeddings=c.get("max_position_embeddings", 4096),
-            bos_token_id=c.get("bos_token_id"),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            pad_token_id=c.get("pad_token_id"),
+            qk_norm=_FAMILY_KEYS[family]["qk_norm"],
         )
         fields.update(overrides)
         try:
@@ -259,7 +237,7 @@ class ModelConfig:
             rope_parameters = {**self.rope_scaling, "rope_theta": self.rope_theta}
         eos = self.eos_token_id
         d = {
-            "architectures": [_ARCHITECTURES[self.family]],
+            "architectures": [_FAMILY_KEYS[self.family]["architecture"]],
             "model_type": self.family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -289,6 +267,64 @@ class ModelConfig:
         else:
             d.update(mlp_bias=False, pretraining_tp=1)
         return d
+
+
+def _read_hf_config(config: dict | str | os.PathLike) -> tuple[dict, str]:
+    """The HF config as a dict, and how errors name its source."""
+    if isinstance(config, dict):
+        return dict(config), "config dict"
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return dict(json.load(f)), path
+    except FileNotFoundError as e:
+        raise ValueError(f"HF config not found: {path}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def _hf_family(c: dict, source: str, fail) -> str:
+    """The config's family, once its architecture, required keys and features are supported."""
+    family = c.get("model_type")
+    if family not in FAMILIES:
+        fail("model_type", f"supported model types are {FAMILIES}")
+    architecture = _FAMILY_KEYS[family]["architecture"]
+    archs = c.get("architectures") or [architecture]
+    if list(archs) != [architecture]:
+        fail("architectures", f"expected [{architecture!r}]")
+    for key in _HF_REQUIRED:
+        if key not in c:
+            raise ValueError(f"{source}: missing required key {key!r}")
+    for key, default, supported, why in _HF_UNSUPPORTED:
+        if not supported(c.get(key, default)):
+            fail(key, why)
+    return family
+
+
+def _hf_rope(c: dict, fail) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling). v5 keeps everything in `rope_parameters`; v4 uses
+    rope_theta + rope_scaling."""
+    rope_params = dict(c.get("rope_parameters") or {})
+    legacy = c.get("rope_scaling") or {}
+    if not isinstance(rope_params, dict) or not isinstance(legacy, dict):
+        fail("rope_parameters", "expected a dict (per-layer-type rope is not supported)")
+    rope = {**legacy, **rope_params}
+    theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    rope_key = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
+    if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+        fail("partial_rotary_factor", "partial rotary embeddings are not implemented")
+    rope.pop("partial_rotary_factor", None)
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        fail(rope_key, f"rope_type {rope_type!r} is not supported (only 'default', 'llama3')")
+    missing = [k for k in _LLAMA3_KEYS if k not in rope]
+    if missing:
+        fail(rope_key, f"llama3 rope scaling is missing {missing}")
+    return float(theta), {"rope_type": "llama3", **{k: rope[k] for k in _LLAMA3_KEYS}}
 
 
 def _qwen3(*, hidden: int, mlp: int, layers: int, heads: int, tied: bool) -> ModelConfig:
