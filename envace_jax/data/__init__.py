@@ -1,5 +1,6 @@
 """Task records in the checklist format, file readers, TFDS ArrayRecord datasets, streams."""
 
+from envace_jax.data.checklists import DEFAULT_WEIGHT_TOLERANCE, FOCUS_ON_VALUES, ChecklistItem
 from envace_jax.data.readers import (
     LoadReport,
     TaskFileError,
@@ -11,13 +12,8 @@ from envace_jax.data.readers import (
     to_python,
 )
 from envace_jax.data.stream import TaskStream
-from envace_jax.data.tasks import (
-    DEFAULT_WEIGHT_TOLERANCE,
-    FOCUS_ON_VALUES,
-    ChecklistItem,
-    Task,
-    TaskValidationError,
-)
+from envace_jax.data.tasks import Task
+from envace_jax.data.validation import TaskValidationError
 
 __all__ = [
     "DEFAULT_WEIGHT_TOLERANCE",

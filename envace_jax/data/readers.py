@@ -33,7 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from envace_jax.data.tasks import DEFAULT_WEIGHT_TOLERANCE, Task, _Errors, parse_task
+from envace_jax.data.checklists import DEFAULT_WEIGHT_TOLERANCE
+from envace_jax.data.tasks import Task, parse_task
+from envace_jax.data.validation import Errors
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ def _drop_nulls(value: Any) -> Any:
     return value
 
 
-def _maybe_json(value: Any, path: str, err: _Errors) -> Any:
+def _maybe_json(value: Any, path: str, err: Errors) -> Any:
     """Reference columns may hold JSON strings instead of nested values."""
     if isinstance(value, str):
         try:
@@ -90,7 +92,7 @@ def _maybe_json(value: Any, path: str, err: _Errors) -> Any:
     return value
 
 
-def _from_reference(rec: Mapping[str, Any], err: _Errors) -> tuple[dict, dict[str, str]]:
+def _from_reference(rec: Mapping[str, Any], err: Errors) -> tuple[dict, dict[str, str]]:
     """verl layout -> our layout, plus the field paths to report errors under."""
     extra = _maybe_json(rec["extra_info"], "extra_info", err)
     if not isinstance(extra, Mapping):
@@ -140,7 +142,7 @@ def _from_reference(rec: Mapping[str, Any], err: _Errors) -> tuple[dict, dict[st
     return out, paths
 
 
-def _from_annotation(rec: Mapping[str, Any], err: _Errors) -> tuple[dict, dict[str, str]]:
+def _from_annotation(rec: Mapping[str, Any], err: Errors) -> tuple[dict, dict[str, str]]:
     """Annotation layout (full conversation in `messages`, `checklists`) -> our layout."""
     conv = rec.get("messages")
     out: dict[str, Any] = {"task_id": rec.get("uuid"), "tools": rec.get("tools")}
@@ -176,7 +178,7 @@ def parse_record(
     rec: Any, *, weight_tolerance: float = DEFAULT_WEIGHT_TOLERANCE
 ) -> tuple[Task | None, list[tuple[str, str]]]:
     """One record of any recognised layout -> (task or None, [(field path, problem)])."""
-    err = _Errors()
+    err = Errors()
     if not isinstance(rec, Mapping):
         err.expect("", "a JSON object", rec)
         return None, err.items

@@ -25,7 +25,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from envace_jax.data.tasks import ChecklistItem
+from envace_jax.data.checklists import ChecklistItem
 
 # Why an episode stopped before all its user turns were completed normally.
 TOOL_ERROR = "tool_error"

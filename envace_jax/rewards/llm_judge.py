@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from envace_jax.data.tasks import ChecklistItem
+from envace_jax.data.checklists import ChecklistItem
 
 TOOL_ROLES = ("tool", "observation")
 # Items about tool calls or tool output fail without a request when a tool response of the
