@@ -119,39 +119,7 @@ def _derive(tokenizer) -> RolePieces:
     eot = chat_layout(tokenizer).end_of_turn
     messages, tools = probe_conversation()
     full = render_text(tokenizer, messages, tools, add_generation_prompt=True)
-
-    # Cut the rendering into alternating (glue, span) pieces at the probe texts and at the
-    # end-of-turn token that closes each generated span.
-    cuts: list[tuple[str, str]] = []  # (what, text) in order; concatenation == full
-    rest = full
-
-    def take_until(marker: str, what: str) -> None:
-        nonlocal rest
-        before, _ = split_once(rest, marker, what)
-        cuts.append((what, before))
-        rest = rest[len(before) :]
-
-    def take_span(what: str) -> None:  # from here through the next end-of-turn token
-        nonlocal rest
-        end = rest.find(eot)
-        if end < 0:
-            raise TemplateLayoutError(f"chat template: {what} is not closed by {eot!r}")
-        cuts.append((what, rest[: end + len(eot)]))
-        rest = rest[end + len(eot) :]
-
-    take_until(_M["user1"], "prompt_to_user1")
-    take_until(_M["act1"], "user1")  # user text + user_to_act_suffix: split below
-    take_span("act1")
-    take_until(_M["resp1"], "act_to_rehearse")
-    take_span("rehearse1")
-    take_until(_M["act2"], "rehearse_to_act")
-    take_span("act2")
-    take_until(_M["resp3"], "act_to_rehearse_2")
-    take_span("rehearse2")
-    take_until(_M["act3"], "rehearse_to_act_2")
-    take_span("act3")
-    take_until(_M["user2"], "final_to_user_prefix")
-    cuts.append(("user2_and_prompt", rest))
+    cuts = _cut_rendering(full, eot)
     text = dict(cuts)
 
     user_to_act = text["user1"][len(_M["user1"]) :]
@@ -179,6 +147,64 @@ def _derive(tokenizer) -> RolePieces:
     # Token level: the pieces, tokenised separately, must concatenate to the template's ids.
     pieces = [t for _, t in cuts[:1]] + [_M["user1"], user_to_act] + [t for _, t in cuts[2:-1]]
     pieces += [_M["user2"], user2_tail]
+    stop = _check_token_boundaries(tokenizer, pieces, act_end)
+
+    def ids(s: str) -> Ids:
+        return tuple(encode(tokenizer, s))
+
+    return RolePieces(
+        act_start=ids(act_start),
+        act_end=stop,
+        act_to_rehearse=ids(text["act_to_rehearse"]),
+        tool_response_sep=ids(sep),
+        rehearse_end=ids(rehearse_end),
+        rehearse_to_act=ids(text["rehearse_to_act"]),
+        final_to_user_prefix=ids(text["final_to_user_prefix"]),
+        user_to_act_suffix=ids(user_to_act),
+    )
+
+
+def _cut_rendering(full: str, eot: str) -> list[tuple[str, str]]:
+    """The probe conversation's rendering cut into alternating (glue, span) pieces at the probe
+    texts and at the end-of-turn token that closes each generated span: (what, text) in order,
+    whose concatenation is `full`."""
+    cuts: list[tuple[str, str]] = []
+    rest = full
+
+    def take_until(marker: str, what: str) -> None:
+        nonlocal rest
+        before, _ = split_once(rest, marker, what)
+        cuts.append((what, before))
+        rest = rest[len(before) :]
+
+    def take_span(what: str) -> None:  # from here through the next end-of-turn token
+        nonlocal rest
+        end = rest.find(eot)
+        if end < 0:
+            raise TemplateLayoutError(f"chat template: {what} is not closed by {eot!r}")
+        cuts.append((what, rest[: end + len(eot)]))
+        rest = rest[end + len(eot) :]
+
+    take_until(_M["user1"], "prompt_to_user1")
+    take_until(_M["act1"], "user1")  # user text + user_to_act_suffix: split by the caller
+    take_span("act1")
+    take_until(_M["resp1"], "act_to_rehearse")
+    take_span("rehearse1")
+    take_until(_M["act2"], "rehearse_to_act")
+    take_span("act2")
+    take_until(_M["resp3"], "act_to_rehearse_2")
+    take_span("rehearse2")
+    take_until(_M["act3"], "rehearse_to_act_2")
+    take_span("act3")
+    take_until(_M["user2"], "final_to_user_prefix")
+    cuts.append(("user2_and_prompt", rest))
+    return cuts
+
+
+def _check_token_boundaries(tokenizer, pieces: list[str], act_end: str) -> Ids:
+    """Checks that `pieces`, tokenised separately, concatenate to the probe conversation's ids
+    and that `act_end` is one special id; returns that id."""
+    messages, tools = probe_conversation()
     composed = [i for piece in pieces for i in encode(tokenizer, piece)]
     if composed != render(tokenizer, messages, tools, add_generation_prompt=True):
         raise TemplateLayoutError(
@@ -189,20 +215,7 @@ def _derive(tokenizer) -> RolePieces:
     stop = encode(tokenizer, act_end)
     if len(stop) != 1 or stop[0] not in tokenizer.all_special_ids:
         raise TemplateLayoutError(f"end of an assistant message {act_end!r} is not one special id")
-
-    def ids(s: str) -> Ids:
-        return tuple(encode(tokenizer, s))
-
-    return RolePieces(
-        act_start=ids(act_start),
-        act_end=tuple(stop),
-        act_to_rehearse=ids(text["act_to_rehearse"]),
-        tool_response_sep=ids(sep),
-        rehearse_end=ids(rehearse_end),
-        rehearse_to_act=ids(text["rehearse_to_act"]),
-        final_to_user_prefix=ids(text["final_to_user_prefix"]),
-        user_to_act_suffix=ids(user_to_act),
-    )
+    return tuple(stop)
 
 
 def role_pieces(tokenizer) -> RolePieces:
