@@ -11,17 +11,8 @@ Saving is the inverse, streamed too: the safetensors header only needs shapes an
 each file is written one tensor at a time, each gathered to host (layer by layer for stacked
 params) just before it is written.
 
-Parameter layout (ours <- HF). Kernels are transposed relative to torch `Linear.weight`
-(`[out, in]`) and attention heads are split out:
-
-    embed.embedding             [V, E]        <- model.embed_tokens.weight [V, E]
-    layers.attn.q_proj.kernel   [L, E, H, D]  <- model.layers.{i}.self_attn.q_proj.weight [H*D, E]
-    layers.attn.o_proj.kernel   [L, H, D, E]  <- model.layers.{i}.self_attn.o_proj.weight [E, H*D]
-    layers.mlp.down_proj.kernel [L, F, E]     <- model.layers.{i}.mlp.down_proj.weight [E, F]
-    lm_head.kernel              [E, V]        <- lm_head.weight [V, E]   (untied models only)
-
-(the full table is `_RULES` below). Which entries a model has (Qwen3's q/k norms, an untied
-head) is read off the abstract model, so one table serves both families.
+The parameter names and layouts are `hf_names`; the safetensors writer is
+`safetensors_writer`.
 """
 
 from __future__ import annotations
@@ -33,105 +24,18 @@ import logging
 import math
 import os
 import re
-import struct
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from envace_jax.models.hf_names import IGNORED, RULES, TIED_HEAD, Rule, rule_for
+from envace_jax.models.safetensors_writer import TensorEntry, write_hf_tensors
+
 log = logging.getLogger(__name__)
-
-# --------------------------------------------------------------------------------------
-# Name mapping
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rule:
-    """How one of our params maps to HF tensors.
-
-    hf: the HF tensor name; `{i}` marks per-layer tensors, stacked on our leading axis.
-    n_in: for kernels, how many leading (input) dims the per-layer param has; the HF weight is
-      then `[prod(out dims), prod(in dims)]`. None: same layout on both sides.
-    """
-
-    hf: str
-    n_in: int | None = None
-
-    @property
-    def stacked(self) -> bool:
-        return "{i}" in self.hf
-
-
-_L = "model.layers.{i}."
-_RULES: dict[str, _Rule] = {
-    "embed.embedding": _Rule("model.embed_tokens.weight"),
-    "layers.attn_norm.scale": _Rule(_L + "input_layernorm.weight"),
-    "layers.attn.q_proj.kernel": _Rule(_L + "self_attn.q_proj.weight", 1),
-    "layers.attn.k_proj.kernel": _Rule(_L + "self_attn.k_proj.weight", 1),
-    "layers.attn.v_proj.kernel": _Rule(_L + "self_attn.v_proj.weight", 1),
-    "layers.attn.o_proj.kernel": _Rule(_L + "self_attn.o_proj.weight", 2),
-    "layers.attn.q_norm.scale": _Rule(_L + "self_attn.q_norm.weight"),
-    "layers.attn.k_norm.scale": _Rule(_L + "self_attn.k_norm.weight"),
-    "layers.mlp_norm.scale": _Rule(_L + "post_attention_layernorm.weight"),
-    "layers.mlp.gate_proj.kernel": _Rule(_L + "mlp.gate_proj.weight", 1),
-    "layers.mlp.up_proj.kernel": _Rule(_L + "mlp.up_proj.weight", 1),
-    "layers.mlp.down_proj.kernel": _Rule(_L + "mlp.down_proj.weight", 1),
-    "final_norm.scale": _Rule("model.norm.weight"),
-    "lm_head.kernel": _Rule("lm_head.weight", 1),
-}
-
-# Tensors some HF checkpoints carry that are not parameters of any model we build: old Llama
-# exports store the RoPE inverse frequencies; tied models may still store the head.
-_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-_TIED_HEAD = "lm_head.weight"
-
-
-def _rule(path: str) -> _Rule:
-    try:
-        return _RULES[path]
-    except KeyError:
-        raise ValueError(
-            f"parameter {path!r} has no Hugging Face name; known parameters: {sorted(_RULES)}"
-        ) from None
-
-
-def _hf_shape(rule: _Rule, layer_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """HF tensor shape for one layer of a param whose per-layer shape is `layer_shape`."""
-    if rule.n_in is None:
-        return tuple(layer_shape)
-    return (math.prod(layer_shape[rule.n_in :]), math.prod(layer_shape[: rule.n_in]))
-
-
-def _layer_shape(rule: _Rule, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(shape[1:]) if rule.stacked else tuple(shape)
-
-
-def _num_layers(rule: _Rule, shape: tuple[int, ...]) -> int:
-    return shape[0] if rule.stacked else 1
-
-
-def _hf_name(rule: _Rule, layer: int) -> str:
-    return rule.hf.format(i=layer) if rule.stacked else rule.hf
-
-
-def _from_hf(rule: _Rule, w: np.ndarray, layer_shape: tuple[int, ...]) -> np.ndarray:
-    """One whole HF tensor -> our per-layer layout."""
-    if rule.n_in is None:
-        return w
-    return w.T.reshape(layer_shape)
-
-
-def _to_hf(rule: _Rule, p: np.ndarray) -> np.ndarray:
-    """One layer of our param -> the HF tensor (contiguous, ready to write)."""
-    if rule.n_in is None:
-        return np.ascontiguousarray(p)
-    n_in = math.prod(p.shape[: rule.n_in])
-    return np.ascontiguousarray(p.reshape(n_in, -1).T)
-
 
 # --------------------------------------------------------------------------------------
 # Reading checkpoints
@@ -232,7 +136,7 @@ def _norm_index(index: tuple, shape: tuple[int, ...]) -> tuple[range, ...]:
 
 
 def _read_layer_box(
-    ckpt: HFCheckpoint, rule: _Rule, name: str, layer_shape: tuple, box: tuple[range, ...]
+    ckpt: HFCheckpoint, rule: Rule, name: str, layer_shape: tuple, box: tuple[range, ...]
 ) -> np.ndarray:
     """The part `box` (ranges over our per-layer dims) of one layer, in our layout.
 
@@ -274,18 +178,18 @@ def check_hf_tensors(ckpt: HFCheckpoint, specs: Mapping[str, ParamSpec]) -> None
     """
     expected: dict[str, tuple[int, ...]] = {}
     for path, spec in specs.items():
-        rule = _rule(path)
-        hf_shape = _hf_shape(rule, _layer_shape(rule, spec.shape))
-        for layer in range(_num_layers(rule, spec.shape)):
-            expected[_hf_name(rule, layer)] = hf_shape
+        rule = rule_for(path)
+        hf_shape = rule.hf_shape(rule.layer_shape(spec.shape))
+        for layer in range(rule.num_layers(spec.shape)):
+            expected[rule.name(layer)] = hf_shape
     found = ckpt.names()
     problems = []
     missing = sorted(set(expected) - found, key=_natural)
     if missing:
         problems.append(f"missing tensors (expected shape): {_listing(missing, expected)}")
-    allowed = {_TIED_HEAD} if "lm_head.kernel" not in specs else set()
+    allowed = {TIED_HEAD} if "lm_head.kernel" not in specs else set()
     extra = sorted(
-        (n for n in found - set(expected) if n not in allowed and not _IGNORED.fullmatch(n)),
+        (n for n in found - set(expected) if n not in allowed and not IGNORED.fullmatch(n)),
         key=_natural,
     )
     if extra:
@@ -330,7 +234,7 @@ def load_hf_params(path: str | os.PathLike, specs: Mapping[str, ParamSpec]) -> d
     with HFCheckpoint(path) as ckpt:
         check_hf_tensors(ckpt, specs)
         for p, spec in specs.items():
-            out[p] = _load_one(ckpt, _rule(p), spec)
+            out[p] = _load_one(ckpt, rule_for(p), spec)
             done += math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
             now = time.perf_counter()
             if now - last_log > 10 and done < total:  # large models: a line every ~10 s
@@ -347,9 +251,9 @@ def load_hf_params(path: str | os.PathLike, specs: Mapping[str, ParamSpec]) -> d
     return out
 
 
-def _load_one(ckpt: HFCheckpoint, rule: _Rule, spec: ParamSpec) -> jax.Array:
+def _load_one(ckpt: HFCheckpoint, rule: Rule, spec: ParamSpec) -> jax.Array:
     shape = tuple(spec.shape)
-    layer_shape = _layer_shape(rule, shape)
+    layer_shape = rule.layer_shape(shape)
     dtype = np.dtype(spec.dtype)
     cache: dict[tuple, np.ndarray] = {}  # replicated shards ask for the same box repeatedly
 
@@ -361,7 +265,7 @@ def _load_one(ckpt: HFCheckpoint, rule: _Rule, spec: ParamSpec) -> jax.Array:
                 layers, inner = box[0], box[1:]
                 buf = np.empty([len(r) for r in box], dtype)
                 for j, layer in enumerate(layers):
-                    name = _hf_name(rule, layer)
+                    name = rule.name(layer)
                     buf[j] = _read_layer_box(ckpt, rule, name, layer_shape, inner)
                 cache[key] = buf
             else:
@@ -376,58 +280,33 @@ def _load_one(ckpt: HFCheckpoint, rule: _Rule, spec: ParamSpec) -> jax.Array:
 # --------------------------------------------------------------------------------------
 # Writing checkpoints
 
-_ST_DTYPES = {
-    np.dtype(np.float64): "F64",
-    np.dtype(np.float32): "F32",
-    np.dtype(np.float16): "F16",
-    np.dtype(ml_dtypes.bfloat16): "BF16",
-    np.dtype(np.int64): "I64",
-    np.dtype(np.int32): "I32",
-    np.dtype(np.int16): "I16",
-    np.dtype(np.int8): "I8",
-    np.dtype(np.uint8): "U8",
-    np.dtype(np.bool_): "BOOL",
-}
 
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    read: Callable[[], np.ndarray]  # gathers this one tensor to host, in HF layout
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def hf_tensor_entries(params: Mapping[str, Any], dtype: Any | None = None) -> list[_Entry]:
+def hf_tensor_entries(params: Mapping[str, Any], dtype: Any | None = None) -> list[TensorEntry]:
     """The HF tensors of `params` ({dotted path: array}), in checkpoint order, unread.
 
     Each entry's `read()` brings one tensor (one layer of a stacked param) to host.
     """
     for p in params:
-        _rule(p)  # unknown params are an error, not silently dropped
+        rule_for(p)  # unknown params are an error, not silently dropped
     for required in ("embed.embedding", "final_norm.scale"):
         if required not in params:
             raise ValueError(f"params have no {required!r}; got {sorted(params)}")
     entries = []
 
     def add(path, layer):
-        rule, arr = _RULES[path], params[path]
+        rule, arr = RULES[path], params[path]
         shape = tuple(arr.shape)
         out_dtype = np.dtype(dtype if dtype is not None else arr.dtype)
-        hf_shape = _hf_shape(rule, _layer_shape(rule, shape))
+        hf_shape = rule.hf_shape(rule.layer_shape(shape))
 
         def read():
             x = arr[layer] if rule.stacked else arr
-            return _to_hf(rule, _to_host(x)).astype(out_dtype, copy=False)
+            return rule.to_hf(_to_host(x)).astype(out_dtype, copy=False)
 
-        entries.append(_Entry(_hf_name(rule, layer), hf_shape, out_dtype, read))
+        entries.append(TensorEntry(rule.name(layer), hf_shape, out_dtype, read))
 
     add("embed.embedding", 0)
-    stacked = [p for p in _RULES if _RULES[p].stacked and p in params]
+    stacked = [p for p in RULES if RULES[p].stacked and p in params]
     n_layers = {params[p].shape[0] for p in stacked}
     if len(n_layers) > 1:
         raise ValueError(f"stacked params disagree on the number of layers: {n_layers}")
@@ -446,65 +325,6 @@ def _to_host(x) -> np.ndarray:
 
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(jax.device_get(x))
-
-
-def _write_safetensors(file: str, entries: list[_Entry]) -> None:
-    """Writes `entries` as one safetensors file, reading one tensor at a time.
-
-    The format is an 8-byte little-endian header length, a JSON header giving each tensor's
-    dtype, shape and byte range, then the raw bytes; the header needs only shapes, so the
-    data can be streamed after it.
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for e in entries:
-        if e.dtype not in _ST_DTYPES:
-            raise ValueError(f"tensor {e.name!r}: dtype {e.dtype} has no safetensors code")
-        header[e.name] = {
-            "dtype": _ST_DTYPES[e.dtype],
-            "shape": list(e.shape),
-            "data_offsets": [offset, offset + e.nbytes],
-        }
-        offset += e.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
-    with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for e in entries:
-            x = e.read()
-            if x.shape != e.shape or x.dtype != e.dtype:
-                raise AssertionError(f"{e.name}: got {x.shape} {x.dtype}, want {e.shape}")
-            f.write(np.ascontiguousarray(x).tobytes())
-
-
-def write_hf_tensors(
-    entries: list[_Entry], out_dir: str | os.PathLike, *, max_shard_bytes: int
-) -> list[str]:
-    """Writes `model.safetensors`, or numbered shards plus `model.safetensors.index.json`
-    when the total exceeds `max_shard_bytes`. Returns the file names written."""
-    shards: list[list[_Entry]] = [[]]
-    size = 0
-    for e in entries:
-        if shards[-1] and size + e.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(e)
-        size += e.nbytes
-    if len(shards) == 1:
-        names = ["model.safetensors"]
-    else:
-        names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
-    for name, shard in zip(names, shards, strict=True):
-        _write_safetensors(os.path.join(out_dir, name), shard)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(e.nbytes for e in entries)},
-            "weight_map": {e.name: n for n, s in zip(names, shards, strict=True) for e in s},
-        }
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2)
-    return names
 
 
 def flatten_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -539,7 +359,7 @@ def load_hf_model(
     overrides: ModelConfig fields HF does not describe or that should be replaced, e.g.
       `param_dtype='bfloat16'` (values are cast on host while loading), `dtype`, `remat`.
     mesh / rules: place every parameter in the NamedSharding its logical axes map to under
-      `rules` (default `parallel.DEFAULT_RULES`); each device reads only its slice.
+      `rules` (default `parallel.DEFAULTRULES`); each device reads only its slice.
       Without a mesh, params go to the default device.
     """
     from flax import nnx
