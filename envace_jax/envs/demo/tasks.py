@@ -35,29 +35,21 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
-from typing import Any
 
 from envace_jax.data.tasks import Task
 from envace_jax.envs.base import error_code, observed_values
+from envace_jax.envs.demo.families import FAMILIES
 from envace_jax.envs.demo.oracle import conversation
 from envace_jax.envs.demo.tools import STATE_CHANGING, TOOL_SCHEMAS, execute
 from envace_jax.envs.demo.world import (
-    OPEN,
-    SHIPPED,
     World,
     copy_world,
-    find,
     generate_world,
     render_records,
 )
 
 SPLITS = ("train", "validation", "test")
 MAX_TASKS_PER_SEED = 1_000_003
-# Amounts a user asks to move are one digit, copied like an id's digit: a policy of about a
-# million parameters copies two-digit numbers from the user's message rarely (balances and
-# prices in tool results stay two-digit: those it reads and states).
-MAX_AMOUNT = 9
 EXTRA_TOOLS = 1  # distractor tools offered next to the ones a task's solution uses
 SYSTEM_PROMPT = (
     "Shop assistant: use the tools, take ids from tool results, reply with the result.\n"
@@ -68,260 +60,6 @@ SYSTEM_PROMPT = (
 # progress items together, so a trajectory that passes both (a success) scores above every
 # trajectory that fails one (`_checklist`).
 W_ACT_CALL, W_LOOKUP_CALL, W_CONSISTENT, W_REPLY_CONSISTENT = 2.0, 1.0, 1.0, 1.0
-
-
-def _call(tool: str, sources: dict[str, int] | None = None, /, **arguments: Any) -> dict[str, Any]:
-    """One solution call; `sources` maps an argument to the earlier call whose result holds it."""
-    return {"name": tool, "arguments": arguments, "sources": sources or {}}
-
-
-def _choice(rng: random.Random, rows: list[dict]) -> dict | None:
-    """A random row of `rows`, or None when there is none (the family does not fit)."""
-    return rng.choice(rows) if rows else None
-
-
-def _balance(world: World, account: str) -> int:
-    return find(world, "accounts", id=account)["balance"]
-
-
-def _orders(world: World, customer: str, status: str | None = None) -> list[dict]:
-    return [
-        o
-        for o in world["orders"]
-        if o["customer"] == customer and (status is None or o["status"] == status)
-    ]
-
-
-def _other_account(rng: random.Random, world: World, account: str) -> str:
-    return rng.choice([a["id"] for a in world["accounts"] if a["id"] != account])
-
-
-# A family: (rng, world) -> (instruction, solution calls, reply template, reply source) or None
-# when the world has no fitting entities. The reply template is formatted with the reply
-# source's observed value as {v} plus the instruction's fields.
-Family = Callable[[random.Random, World], tuple | None]
-
-
-def _cancel(rng, world):
-    return _settle_one(rng, world, OPEN, "cancel_order", "cancel", "cancelled")
-
-
-def _refund(rng, world):
-    return _settle_one(rng, world, SHIPPED, "refund", "refund", "refunded")
-
-
-def _settle_one(rng, world, status, tool, verb, done):
-    orders = [o for o in world["orders"] if o["status"] == status]
-    if not orders:
-        return None
-    o = rng.choice(orders)
-    return (
-        f"Please {verb} order {o['id']}.",
-        [_call(tool, order_id=o["id"])],
-        f"Order {o['id']} is {done}. Your balance is {{v}}.",
-        (0, "balance"),
-    )
-
-
-def _transfer(rng, world):
-    a = rng.choice([a for a in world["accounts"] if a["balance"] >= 10])
-    to = _other_account(rng, world, a["id"])
-    amount = rng.randint(1, min(MAX_AMOUNT, a["balance"]))
-    return (
-        f"Send {amount} from account {a['id']} to account {to}.",
-        [_call("transfer", from_id=a["id"], to_id=to, amount=amount)],
-        f"Sent {amount} to {to}. The balance of {a['id']} is {{v}}.",
-        (0, "balance"),
-    )
-
-
-def _unique_item_orders(world, customer, status):
-    items = [o["item"] for o in _orders(world, customer)]
-    return [o for o in _orders(world, customer, status) if items.count(o["item"]) == 1]
-
-
-def _cancel_by_item(rng, world):
-    rows = [c for c in world["customers"] if _unique_item_orders(world, c["id"], OPEN)]
-    c = _choice(rng, rows)
-    if c is None:
-        return None
-    o = rng.choice(_unique_item_orders(world, c["id"], OPEN))
-    return (
-        f"I am customer {c['id']}. Please cancel my {o['item']} order.",
-        [
-            _call("list_orders", customer_id=c["id"]),
-            _call("cancel_order", {"order_id": 0}, order_id=o["id"]),
-        ],
-        f"Order {o['id']} is cancelled. Your balance is {{v}}.",
-        (1, "balance"),
-    )
-
-
-def _pay_by_member(rng, world):
-    rows = [c for c in world["customers"] if _balance(world, c["account"]) >= 10]
-    c = _choice(rng, rows)
-    if c is None:
-        return None
-    to = _other_account(rng, world, c["account"])
-    amount = rng.randint(1, min(MAX_AMOUNT, _balance(world, c["account"])))
-    return (
-        f"I am member {c['member']}. Send {amount} to account {to}.",
-        [
-            _call("find_customer", member=c["member"]),
-            _call("transfer", {"from_id": 0}, from_id=c["account"], to_id=to, amount=amount),
-        ],
-        f"Sent {amount} to {to}. Your balance is {{v}}.",
-        (1, "balance"),
-    )
-
-
-def _resolve(rng, world):
-    orders = [o for o in world["orders"] if o["status"] in (OPEN, SHIPPED)]
-    if not orders:
-        return None
-    o = rng.choice(orders)
-    tool, done = ("cancel_order", "cancelled") if o["status"] == OPEN else ("refund", "refunded")
-    return (
-        f"Please settle order {o['id']}: cancel it if open, refund it if shipped.",
-        [_call("get_order", order_id=o["id"]), _call(tool, order_id=o["id"])],
-        f"Order {o['id']} is {done}. Your balance is {{v}}.",
-        (1, "balance"),
-    )
-
-
-def _sweep(rng, world):
-    a = rng.choice(world["accounts"])
-    to = _other_account(rng, world, a["id"])
-    return (
-        f"Move all money in account {a['id']} to account {to}.",
-        [
-            _call("get_balance", account_id=a["id"]),
-            _call("transfer", {"amount": 0}, from_id=a["id"], to_id=to, amount=a["balance"]),
-        ],
-        f"Moved {{v}} to {to}. The balance of {a['id']} is 0.",
-        (0, "balance"),
-    )
-
-
-def _by_member(rng, world, status, tool, verb, done):
-    rows = [c for c in world["customers"] if _unique_item_orders(world, c["id"], status)]
-    c = _choice(rng, rows)
-    if c is None:
-        return None
-    o = rng.choice(_unique_item_orders(world, c["id"], status))
-    return (
-        f"I am member {c['member']}. Please {verb} my {o['item']} order.",
-        [
-            _call("find_customer", member=c["member"]),
-            _call("list_orders", {"customer_id": 0}, customer_id=c["id"]),
-            _call(tool, {"order_id": 1}, order_id=o["id"]),
-        ],
-        f"Order {o['id']} is {done}. Your balance is {{v}}.",
-        (2, "balance"),
-    )
-
-
-def _cancel_by_member(rng, world):
-    return _by_member(rng, world, OPEN, "cancel_order", "cancel", "cancelled")
-
-
-def _refund_by_member(rng, world):
-    return _by_member(rng, world, SHIPPED, "refund", "refund", "refunded")
-
-
-def _pay_member_to_member(rng, world):
-    rows = [c for c in world["customers"] if _balance(world, c["account"]) >= 10]
-    c = _choice(rng, rows)
-    if c is None:
-        return None
-    d = rng.choice([x for x in world["customers"] if x is not c])
-    amount = rng.randint(1, min(MAX_AMOUNT, _balance(world, c["account"])))
-    return (
-        f"I am member {c['member']}. Send {amount} to member {d['member']}.",
-        [
-            _call("find_customer", member=c["member"]),
-            _call("find_customer", member=d["member"]),
-            _call(
-                "transfer",
-                {"from_id": 0, "to_id": 1},
-                from_id=c["account"],
-                to_id=d["account"],
-                amount=amount,
-            ),
-        ],
-        f"Sent {amount} to member {d['member']}. Your balance is {{v}}.",
-        (2, "balance"),
-    )
-
-
-def _pay_and_cancel(rng, world):
-    # The payment comes first, next to the lookup that gives the payer's account: the policy
-    # copies the payee and the amount from the user's message while it is still close.
-    rows = [
-        c
-        for c in world["customers"]
-        if _unique_item_orders(world, c["id"], OPEN) and _balance(world, c["account"]) >= 10
-    ]
-    c = _choice(rng, rows)
-    if c is None:
-        return None
-    o = rng.choice(_unique_item_orders(world, c["id"], OPEN))
-    to = _other_account(rng, world, c["account"])
-    amount = rng.randint(1, MAX_AMOUNT)
-    return (
-        f"I am member {c['member']}. Send {amount} to account {to}, then cancel my "
-        f"{o['item']} order.",
-        [
-            _call("find_customer", member=c["member"]),
-            _call("transfer", {"from_id": 0}, from_id=c["account"], to_id=to, amount=amount),
-            _call("list_orders", {"customer_id": 0}, customer_id=c["id"]),
-            _call("cancel_order", {"order_id": 2}, order_id=o["id"]),
-        ],
-        f"Sent {amount} to {to} and order {o['id']} is cancelled. Your balance is {{v}}.",
-        (3, "balance"),
-    )
-
-
-def _settle_two(rng, world):
-    rows = [
-        c
-        for c in world["customers"]
-        if _unique_item_orders(world, c["id"], OPEN)
-        and _unique_item_orders(world, c["id"], SHIPPED)
-    ]
-    c = _choice(rng, rows)
-    if c is None:
-        return None
-    o = rng.choice(_unique_item_orders(world, c["id"], OPEN))
-    s = rng.choice(_unique_item_orders(world, c["id"], SHIPPED))
-    return (
-        f"I am member {c['member']}. Cancel my {o['item']} order and refund my {s['item']} order.",
-        [
-            _call("find_customer", member=c["member"]),
-            _call("list_orders", {"customer_id": 0}, customer_id=c["id"]),
-            _call("cancel_order", {"order_id": 1}, order_id=o["id"]),
-            _call("refund", {"order_id": 1}, order_id=s["id"]),
-        ],
-        f"Order {o['id']} is cancelled and {s['id']} is refunded. Your balance is {{v}}.",
-        (3, "balance"),
-    )
-
-
-FAMILIES: dict[int, dict[str, Family]] = {
-    1: {"cancel": _cancel, "refund": _refund, "transfer": _transfer},
-    2: {
-        "cancel_by_item": _cancel_by_item,
-        "pay_by_member": _pay_by_member,
-        "resolve": _resolve,
-        "sweep": _sweep,
-    },
-    3: {
-        "cancel_by_member": _cancel_by_member,
-        "refund_by_member": _refund_by_member,
-        "pay_member_to_member": _pay_member_to_member,
-    },
-    4: {"pay_and_cancel": _pay_and_cancel, "settle_two": _settle_two},
-}
 
 
 def world_seed(seed: int, index: int, split: str) -> int:
@@ -359,6 +97,32 @@ def tool_lines(names) -> str:
     return "tools:\n" + "\n".join(lines) + "\n"
 
 
+def _draw_plan(rng: random.Random, ws: int):
+    """(n_calls, family, world, plan): a family, then worlds until one fits it."""
+    n_calls = rng.randint(1, 4)
+    family = rng.choice(sorted(FAMILIES[n_calls]))
+    for _ in range(1000):
+        world = generate_world(rng, n_customers=3)
+        plan = FAMILIES[n_calls][family](rng, world)
+        if plan is not None:
+            return n_calls, family, world, plan
+    # pragma: no cover - every family fits a few percent of worlds at least
+    raise RuntimeError(f"no world fits family {family!r} (world seed {ws})")
+
+
+def _run_solution(state: World, solution: list[dict], ws: int) -> list[dict]:
+    """The solution's observations on `state` (changed in place); a failed call, or an argument
+    said to come from a result that does not hold it, is a bug in the family."""
+    observations = [execute(state, c["name"], c["arguments"]) for c in solution]
+    for c, obs in zip(solution, observations, strict=True):
+        if error_code(obs) is not None:
+            raise AssertionError(f"world seed {ws}: solution call {c} failed: {obs}")
+        for arg, j in c["sources"].items():
+            if c["arguments"][arg] not in observed_values(observations[j]):
+                raise AssertionError(f"world seed {ws}: {c} {arg} is not in result {j}")
+    return observations
+
+
 def make_task(
     seed: int,
     index: int,
@@ -376,25 +140,10 @@ def make_task(
         raise ValueError(f"extra_tools must be >= 0, got {extra_tools}")
     ws = world_seed(seed, index, split)
     rng = random.Random(ws)
-    n_calls = rng.randint(1, 4)
-    family = rng.choice(sorted(FAMILIES[n_calls]))
-    for _ in range(1000):
-        world = generate_world(rng, n_customers=3)
-        plan = FAMILIES[n_calls][family](rng, world)
-        if plan is not None:
-            break
-    else:  # pragma: no cover - every family fits a few percent of worlds at least
-        raise RuntimeError(f"no world fits family {family!r} (world seed {ws})")
+    n_calls, family, world, plan = _draw_plan(rng, ws)
     instruction, solution, reply_template, (src_call, src_key) = plan
-
     state = copy_world(world)
-    observations = [execute(state, c["name"], c["arguments"]) for c in solution]
-    for c, obs in zip(solution, observations, strict=True):
-        if error_code(obs) is not None:
-            raise AssertionError(f"world seed {ws}: solution call {c} failed: {obs}")
-        for arg, j in c["sources"].items():
-            if c["arguments"][arg] not in observed_values(observations[j]):
-                raise AssertionError(f"world seed {ws}: {c} {arg} is not in result {j}")
+    observations = _run_solution(state, solution, ws)
     value = observations[src_call][src_key]
     final_reply = reply_template.format(v=value)
 
