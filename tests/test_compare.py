@@ -10,19 +10,19 @@ import numpy as np
 import pytest
 
 from envace_jax.configuration import MODES
-from envace_jax.experiments import compare
+from envace_jax.experiments import compare, verdicts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_plan_runs_every_mode_and_seed_with_the_warm_start_first():
     runs = compare.plan(3)
-    main, small = list(compare.SIZES)
+    main, small = list(verdicts.SIZES)
     assert {(m, s) for size, m, s in runs if size == main} == {
         (m, s) for m in MODES for s in range(3)
     }
-    assert {m for size, m, _ in runs if size == small} == set(compare.SCALE_MODES)
-    for size in compare.SIZES:
+    assert {m for size, m, _ in runs if size == small} == set(verdicts.SCALE_MODES)
+    for size in verdicts.SIZES:
         assert [r for r in runs if r[0] == size][0] == (size, "sft_only", 0)
 
 
@@ -34,13 +34,13 @@ def test_parse_overrides():
 
 
 def _result(size, mode, seed, success):
-    r = {k: 0.0 for k in (*compare.METRICS, "rl_tokens", "rl_seconds", "seconds")}
+    r = {k: 0.0 for k in (*verdicts.METRICS, "rl_tokens", "rl_seconds", "seconds")}
     r.update(success=success, success_avg4=success)  # the claims are judged on avg@4
     return {**r, "size": size, "mode": mode, "seed": seed, "params": 10}
 
 
 def test_summary_and_verdicts_against_hand_computed_numbers():
-    main, small = list(compare.SIZES)
+    main, small = list(verdicts.SIZES)
     succ = {
         (main, "envace"): [0.5, 0.6, 0.7],
         (main, "grpo_real_env"): [0.1, 0.3, 0.2],
@@ -51,39 +51,39 @@ def test_summary_and_verdicts_against_hand_computed_numbers():
         (small, "grpo_real_env"): [0.1, 0.3, 0.2],
     }
     results = [_result(sz, m, i, v) for (sz, m), vs in succ.items() for i, v in enumerate(vs)]
-    summary = compare.summarize(results)
+    summary = verdicts.summarize(results)
     s = summary[(main, "envace")]
     assert s["success"] == pytest.approx(0.6) and s["success_std"] == pytest.approx(0.1)
-    verdicts = {c: (m, v) for c, m, v in compare.claims(summary)}
+    judged = {c: (m, v) for c, m, v in verdicts.claims(summary)}
     # Paired by seed: envace - grpo_real_env = (0.4, 0.3, 0.5), mean 0.4, std 0.1, s.e. 0.1/sqrt(3)
     # = 0.0577 -> supported. Unpaired, the s.e. would be sqrt(0.01/3 + 0.01/3) = 0.0816.
-    m, v = verdicts["world rehearsal beats standard RL in the real environment"]
+    m, v = judged["world rehearsal beats standard RL in the real environment"]
     assert v == "supported" and "+0.400" in m and "0.058" in m
     # grpo_real_env - sft_only = (0.0, 0.2, 0.1): mean 0.1, s.e. 0.0577 < half of it.
-    m, v = verdicts["RL in the real environment improves on the warm start"]
+    m, v = judged["RL in the real environment improves on the warm start"]
     assert v == "not resolved" and "avg@4 +0.100 (s.e. 0.058)" in m
     # envace - external_simulator = (-0.1, 0.0, -0.2): mean -0.1, s.e. 0.0577 -> within noise.
-    m, v = verdicts["world rehearsal beats training against an external simulator"]
+    m, v = judged["world rehearsal beats training against an external simulator"]
     assert v == "not resolved" and "-0.100" in m and "0.058" in m
     # envace - envace_noshare = (0.05, -0.05, 0.0): mean 0.
-    assert verdicts["sharing parameters between the roles helps"][1] == "not resolved"
-    assert verdicts["RL by world rehearsal improves on the warm start"][1] == "supported"
+    assert judged["sharing parameters between the roles helps"][1] == "not resolved"
+    assert judged["RL by world rehearsal improves on the warm start"][1] == "supported"
     # Gains 0.4 (main) and 0.1 (small, per seed (0.1, 0.0, 0.2)), each with s.e. 0.0577; the
     # sizes are independent: difference 0.3, s.e. sqrt(2 * 0.0577^2) = 0.0816.
-    m, v = verdicts["the gain of world rehearsal grows with model size"]
+    m, v = judged["the gain of world rehearsal grows with model size"]
     assert v == "supported" and "+0.300" in m and "0.082" in m
     # sft_only - envace = (-0.4, -0.5, -0.6): mean -0.5, s.e. 0.1/sqrt(3).
-    d, se, v = compare.compare_means(summary[(main, "sft_only")], summary[(main, "envace")])
+    d, se, v = verdicts.compare_means(summary[(main, "sft_only")], summary[(main, "envace")])
     assert (
         v == "contradicted" and d == pytest.approx(-0.5) and se == pytest.approx(np.sqrt(0.01 / 3))
     )
     # A size whose warm start solves nothing cannot show a gain: the scale claim is untestable.
     floor = [_result(small, "sft_only", i, 0.0) for i in range(3)]
-    verdicts = dict((c, v) for c, _, v in compare.claims(compare.summarize(results + floor)))
-    assert verdicts["the gain of world rehearsal grows with model size"].startswith("not testable")
+    judged = dict((c, v) for c, _, v in verdicts.claims(verdicts.summarize(results + floor)))
+    assert judged["the gain of world rehearsal grows with model size"].startswith("not testable")
     # Different seeds: nothing to pair, the two means' errors add.
     unpaired = dict(summary[(main, "grpo_real_env")], success_by_seed={5: 0.1, 6: 0.3, 7: 0.2})
-    d, se, _ = compare.compare_means(summary[(main, "envace")], unpaired)
+    d, se, _ = verdicts.compare_means(summary[(main, "envace")], unpaired)
     assert d == pytest.approx(0.4) and se == pytest.approx(np.sqrt(0.01 / 3 + 0.01 / 3))
 
 
