@@ -18,6 +18,7 @@ from typing import Any
 import ml_collections
 
 from envace_jax import knobs
+from envace_jax.envs.registry import DOMAINS
 from envace_jax.knobs import BOOL, Section, integer, knob, nested, number, one_of, text
 from envace_jax.rl.config import GRPOConfig, OptimConfig, SFTConfig, chunking_problem
 
@@ -64,7 +65,7 @@ class MeshSection(Section):
 
 @dataclasses.dataclass(frozen=True)
 class DataSection(Section):
-    env: str = knob("demo", one_of("demo"))  # Task domain and executable environment.
+    env: str = knob("demo", one_of(*DOMAINS))  # Task domain and executable environment.
     # Generated training tasks (SFT demonstrations and RL prompts).
     train_tasks: int = knob(4096, integer(1))
     # Held-out tasks (a split never used in training) for evaluation.
