@@ -90,25 +90,16 @@ def _unique_item_orders(world, customer, status):
 
 
 def _cancel_by_item(rng, world):
-    rows = [c for c in world["customers"] if _unique_item_orders(world, c["id"], OPEN)]
-    c = _choice(rng, rows)
-    if c is None:
-        return None
-    o = rng.choice(_unique_item_orders(world, c["id"], OPEN))
-    return (
-        f"I am customer {c['id']}. Please cancel my {o['item']} order.",
-        [
-            _call("list_orders", customer_id=c["id"]),
-            _call("cancel_order", {"order_id": 0}, order_id=o["id"]),
-        ],
-        f"Order {o['id']} is cancelled. Your balance is {{v}}.",
-        (1, "balance"),
-    )
+    return _by_item(rng, world, OPEN, "cancel_order", "cancel", "cancelled", member=False)
+
+
+def _payer(rng: random.Random, world: World) -> dict | None:
+    """A customer whose account holds at least 10 (a payment of 1 to 9 fits), or None."""
+    return _choice(rng, [c for c in world["customers"] if _balance(world, c["account"]) >= 10])
 
 
 def _pay_by_member(rng, world):
-    rows = [c for c in world["customers"] if _balance(world, c["account"]) >= 10]
-    c = _choice(rng, rows)
+    c = _payer(rng, world)
     if c is None:
         return None
     to = _other_account(rng, world, c["account"])
@@ -152,35 +143,39 @@ def _sweep(rng, world):
     )
 
 
-def _by_member(rng, world, status, tool, verb, done):
+def _by_item(rng, world, status, tool, verb, done, *, member):
+    """A customer's order named by its item. The user gives their customer id, or their member
+    number (`member`), which a find_customer call first turns into the id."""
     rows = [c for c in world["customers"] if _unique_item_orders(world, c["id"], status)]
     c = _choice(rng, rows)
     if c is None:
         return None
     o = rng.choice(_unique_item_orders(world, c["id"], status))
+    lookup = [_call("find_customer", member=c["member"])] if member else []
+    listing = len(lookup)  # the index of the list_orders call
+    user = f"member {c['member']}" if member else f"customer {c['id']}"
     return (
-        f"I am member {c['member']}. Please {verb} my {o['item']} order.",
+        f"I am {user}. Please {verb} my {o['item']} order.",
         [
-            _call("find_customer", member=c["member"]),
-            _call("list_orders", {"customer_id": 0}, customer_id=c["id"]),
-            _call(tool, {"order_id": 1}, order_id=o["id"]),
+            *lookup,
+            _call("list_orders", {"customer_id": 0} if member else None, customer_id=c["id"]),
+            _call(tool, {"order_id": listing}, order_id=o["id"]),
         ],
         f"Order {o['id']} is {done}. Your balance is {{v}}.",
-        (2, "balance"),
+        (listing + 1, "balance"),
     )
 
 
 def _cancel_by_member(rng, world):
-    return _by_member(rng, world, OPEN, "cancel_order", "cancel", "cancelled")
+    return _by_item(rng, world, OPEN, "cancel_order", "cancel", "cancelled", member=True)
 
 
 def _refund_by_member(rng, world):
-    return _by_member(rng, world, SHIPPED, "refund", "refund", "refunded")
+    return _by_item(rng, world, SHIPPED, "refund", "refund", "refunded", member=True)
 
 
 def _pay_member_to_member(rng, world):
-    rows = [c for c in world["customers"] if _balance(world, c["account"]) >= 10]
-    c = _choice(rng, rows)
+    c = _payer(rng, world)
     if c is None:
         return None
     d = rng.choice([x for x in world["customers"] if x is not c])
