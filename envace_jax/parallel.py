@@ -108,43 +108,48 @@ def _check_rules(rules) -> Rules:
 # --------------------------------------------------------------------------- mesh
 
 
-def make_mesh(shape: Mapping[str, int] | Any, devices: Sequence[Any] | None = None) -> Mesh:
-    """A ('data', 'fsdp', 'tensor') mesh with `AxisType.Auto` axes.
+def mesh_sizes(shape: Mapping[str, int] | Any, n: int) -> dict[str, int]:
+    """The size of each of data / fsdp / tensor on `n` devices.
 
-    `shape` maps each of data / fsdp / tensor to a size (a dict or ml_collections
-    ConfigDict; a missing axis has size 1); one size may be -1, meaning "all remaining
-    devices". Raises ValueError when the sizes do not multiply to the device count.
+    `shape` is config.mesh: it maps each axis to a size (a dict or ml_collections ConfigDict; a
+    missing axis has size 1); one size may be -1, meaning "all remaining devices". Raises
+    ValueError, naming config.mesh, when the sizes do not multiply to the device count.
     """
-    devices = list(jax.devices() if devices is None else devices)
     get = shape.get if hasattr(shape, "get") else lambda k, d=None: getattr(shape, k, d)
     keys = set(shape.keys()) if hasattr(shape, "keys") else set(MESH_AXES)
     unknown = sorted(keys - set(MESH_AXES))
     if unknown:
-        raise ValueError(f"mesh shape has unknown axes {unknown}; axes are {MESH_AXES}")
+        raise ValueError(f"config.mesh has unknown axes {unknown}; axes are {MESH_AXES}")
     sizes = {}
     for name in MESH_AXES:
         v = get(name, 1)
         v = 1 if v is None else v
         if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1):
-            raise ValueError(f"mesh.{name}={v!r}: must be a positive int or -1")
+            raise ValueError(f"config.mesh.{name}={v!r}: must be a positive int or -1")
         sizes[name] = v
     fill = [k for k, v in sizes.items() if v == -1]
     if len(fill) > 1:
-        raise ValueError(f"mesh: only one axis may be -1, got {fill}")
-    n = len(devices)
+        raise ValueError(f"config.mesh: only one axis may be -1, got {fill}")
     known = math.prod(v for v in sizes.values() if v != -1)
     if fill:
         if n % known:
             raise ValueError(
-                f"mesh: cannot fill axis {fill[0]!r}: {n} devices are not divisible by the "
+                f"config.mesh: cannot fill axis {fill[0]!r}: {n} devices are not divisible by the "
                 f"product {known} of the other axes {sizes}"
             )
         sizes[fill[0]] = n // known
     if math.prod(sizes.values()) != n:
         raise ValueError(
-            f"mesh: data*fsdp*tensor = {math.prod(sizes.values())} ({sizes}) but there are "
+            f"config.mesh: data*fsdp*tensor = {math.prod(sizes.values())} ({sizes}) but there are "
             f"{n} devices; use -1 for one axis to take the remaining devices"
         )
+    return sizes
+
+
+def make_mesh(shape: Mapping[str, int] | Any, devices: Sequence[Any] | None = None) -> Mesh:
+    """A ('data', 'fsdp', 'tensor') mesh with `AxisType.Auto` axes, sized by `mesh_sizes`."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_sizes(shape, len(devices))
     return jax.make_mesh(
         tuple(sizes[a] for a in MESH_AXES),
         MESH_AXES,

@@ -22,6 +22,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from envace_jax import parallel
 from envace_jax.configuration import ConfigError, validate
 from envace_jax.planner import estimate
 from envace_jax.planner.topology import GIB, parse_topology
@@ -47,7 +48,7 @@ def _gib(n: float) -> str:
 
 def report(config, topology, *, usable: float = 0.9, prompt_tokens: int | None = None):
     """(text, fits): the breakdown of every phase and the verdict for `config` on `topology`."""
-    sizes = estimate.mesh_sizes(config.mesh, topology.devices)
+    sizes = parallel.mesh_sizes(config.mesh, topology.devices)
     mesh = estimate.abstract_mesh(sizes)
     cfg = estimate.model_config(config)
     phases = estimate.plan_phases(config, cfg, mesh, prompt_tokens=prompt_tokens)

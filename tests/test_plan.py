@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+from envace_jax import parallel
 from envace_jax.configuration import validate
 from envace_jax.models.config import get_preset
 from envace_jax.planner import estimate
@@ -189,7 +190,7 @@ def test_every_listed_slice_layout_fits(module):
         config = validate(module.get_config(slice_name))
         assert max(config.rollout.length_buckets) == context
         topology = parse_topology(slice_name)
-        sizes = estimate.mesh_sizes(config.mesh, topology.devices)
+        sizes = parallel.mesh_sizes(config.mesh, topology.devices)
         phases = estimate.plan_phases(
             config, estimate.model_config(config), estimate.abstract_mesh(sizes)
         )

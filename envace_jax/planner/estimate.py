@@ -66,26 +66,6 @@ def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
     return AbstractMesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def mesh_sizes(mesh_cfg: Any, devices: int) -> dict[str, int]:
-    """config.mesh with its -1 axis filled for `devices`; ValueError names the mismatch."""
-    sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
-    fill = [a for a, v in sizes.items() if v == -1]
-    known = math.prod(v for v in sizes.values() if v != -1)
-    if fill:
-        if devices % known:
-            raise ValueError(
-                f"config.mesh.{fill[0]}=-1 cannot take the remaining devices: {devices} devices "
-                f"are not divisible by the other axes' product {known}"
-            )
-        sizes[fill[0]] = devices // known
-    if math.prod(sizes.values()) != devices:
-        raise ValueError(
-            f"config.mesh data*fsdp*tensor = {math.prod(sizes.values())} ({sizes}) but the "
-            f"topology has {devices} devices"
-        )
-    return sizes
-
-
 def _shard(shape, axes, mesh, rules=DEFAULT_RULES) -> tuple[int, ...]:
     """The per-device block of an array of `shape` with logical `axes` (ceil division)."""
     spec = logical_to_spec(axes, mesh, rules, shape)
