@@ -1,9 +1,12 @@
-"""Run a benchmark harness against our server: start it on a free loopback port, stop it after."""
+"""Run a benchmark harness against our server: start it on a free loopback port, stop it after;
+the command-line pieces every harness runner shares."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -53,3 +56,40 @@ def served(model_dir: str, workdir: Path, extra=()):
 def served_name(model_dir: str) -> str:
     """The model id the server announces for model_dir (its directory name)."""
     return os.path.basename(os.path.normpath(model_dir))
+
+
+def harness_parser(prog: str, description: str, workdir: str) -> argparse.ArgumentParser:
+    """A runner's argument parser with the flags every runner takes: the model to serve, the
+    run's size, the server's settings."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--model", required=True, help="HF model directory to serve")
+    p.add_argument("--num-tasks", type=int, default=None)
+    p.add_argument("--num-trials", type=int, default=1)
+    p.add_argument("--max-concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--api-key", default=None, help="the server's API key, if it needs one")
+    p.add_argument("--workdir", default=workdir, help="server log, port file, runner files")
+    p.add_argument("--server-arg", action="append", default=[], help="extra serve flag")
+    return p
+
+
+def split_argv(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """(the runner's arguments, the harness's own after a `--`) of a command line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
+def server_flags(args: argparse.Namespace) -> list[str]:
+    """The serve flags of a runner's `--server-arg`s, and `--api-key` when one is set."""
+    return [*args.server_arg, *(["--api-key", args.api_key] if args.api_key else [])]
+
+
+def cli_missing(cli: str, install: str) -> bool:
+    """Whether the harness's CLI is not on PATH (then the install line goes to stderr)."""
+    if shutil.which(cli) is not None:
+        return False
+    print(f"the {cli} CLI is not installed; install it with:\n  {install}", file=sys.stderr)
+    return True

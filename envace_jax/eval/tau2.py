@@ -14,21 +14,19 @@ Results are written where tau2 writes them (`--save-to`).
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from envace_jax.eval.serving import served, served_name
+from envace_jax.eval import serving
 
 INSTALL = 'pip install "tau2 @ git+https://github.com/sierra-research/tau2-bench"'
 
 
 def tau2_command(args, base_url: str, extra: list[str]) -> list[str]:
     """The `tau2 run` command line for our server at base_url."""
-    agent = f"openai/{served_name(args.model)}"
+    agent = f"openai/{serving.served_name(args.model)}"
     llm_args = {"api_base": base_url, "api_key": args.api_key or "EMPTY"}
     llm_args.update(temperature=args.temperature, max_tokens=args.max_tokens)
     user, user_args = args.user_llm, json.loads(args.user_llm_args or "{}")
@@ -47,31 +45,17 @@ def tau2_command(args, base_url: str, extra: list[str]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(prog="python -m envace_jax.eval.tau2", description=__doc__)
-    p.add_argument("--model", required=True, help="HF model directory to serve")
+    argv, extra = serving.split_argv(argv)
+    p = serving.harness_parser("python -m envace_jax.eval.tau2", __doc__, workdir="tau2_out")
     p.add_argument("--domain", default="airline", help="airline, retail, telecom, ...")
     p.add_argument("--user-llm", required=True, help="litellm model id, or 'local'")
     p.add_argument("--user-llm-args", default=None, help="JSON passed as --user-llm-args")
-    p.add_argument("--num-tasks", type=int, default=None)
-    p.add_argument("--num-trials", type=int, default=1)
-    p.add_argument("--max-concurrency", type=int, default=4)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=1024)
-    p.add_argument("--api-key", default=None, help="the server's API key, if it needs one")
     p.add_argument("--save-to", default=None)
-    p.add_argument("--workdir", default="tau2_out", help="server log and port file")
-    p.add_argument("--server-arg", action="append", default=[], help="extra serve flag")
     args = p.parse_args(argv)
-    if shutil.which("tau2") is None:
-        print(f"the tau2 CLI is not installed; install it with:\n  {INSTALL}", file=sys.stderr)
+    if serving.cli_missing("tau2", INSTALL):
         return 2
-    server_args = list(args.server_arg)
-    if args.api_key:
-        server_args += ["--api-key", args.api_key]
-    with served(args.model, Path(args.workdir), server_args) as url:
+    with serving.served(args.model, Path(args.workdir), serving.server_flags(args)) as url:
         cmd = tau2_command(args, url, extra)
         print("running: " + " ".join(cmd), flush=True)
         return subprocess.call(cmd)

@@ -13,14 +13,12 @@ agent. Results are written where vita writes them (data/simulations/).
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from envace_jax.eval.serving import served, served_name
+from envace_jax.eval import serving
 
 INSTALL = 'pip install "vita @ git+https://github.com/meituan/vitabench"'
 
@@ -39,36 +37,24 @@ def models_config(base: dict, name: str, base_url: str, api_key: str | None, max
 def main(argv=None) -> int:
     import yaml
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(prog="python -m envace_jax.eval.vitabench", description=__doc__)
-    p.add_argument("--model", required=True, help="HF model directory to serve")
+    argv, extra = serving.split_argv(argv)
+    p = serving.harness_parser(
+        "python -m envace_jax.eval.vitabench", __doc__, workdir="vitabench_out"
+    )
     p.add_argument("--models-yaml", required=True, help="your models.yaml (user, evaluator)")
     p.add_argument("--user-llm", required=True)
     p.add_argument("--evaluator-llm", required=True)
     p.add_argument("--domain", default="delivery", help="delivery, instore, ota or a list")
-    p.add_argument("--num-tasks", type=int, default=None)
-    p.add_argument("--num-trials", type=int, default=1)
-    p.add_argument("--max-concurrency", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--language", default="english", choices=("english", "chinese"))
-    p.add_argument("--api-key", default=None, help="the server's API key, if it needs one")
-    p.add_argument("--workdir", default="vitabench_out")
-    p.add_argument("--server-arg", action="append", default=[], help="extra serve flag")
     args = p.parse_args(argv)
-    if shutil.which("vita") is None:
-        print(f"the vita CLI is not installed; install it with:\n  {INSTALL}", file=sys.stderr)
+    if serving.cli_missing("vita", INSTALL):
         return 2
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     with open(args.models_yaml, encoding="utf-8") as f:
         base = yaml.safe_load(f) or {}
-    server_args = list(args.server_arg)
-    if args.api_key:
-        server_args += ["--api-key", args.api_key]
-    name = served_name(args.model)
-    with served(args.model, workdir, server_args) as url:
+    name = serving.served_name(args.model)
+    with serving.served(args.model, workdir, serving.server_flags(args)) as url:
         config = models_config(base, name, url, args.api_key, args.max_tokens)
         path = workdir / "models.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
