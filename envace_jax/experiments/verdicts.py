@@ -124,6 +124,11 @@ def _pm(s: dict, k: str) -> str:
     return f"{s[k]:.3f} ± {s[k + '_std']:.3f}"
 
 
+def _results(summary, size, modes) -> list[tuple[str, dict]]:
+    """(mode, summary) of each of `modes` that has runs of `size`, in the order of `modes`."""
+    return [(mode, summary[(size, mode)]) for mode in modes if summary.get((size, mode))]
+
+
 def results_markdown(
     summary, verdicts, budget: str, overrides, seeds: int, minutes: float, sizes=SIZES
 ) -> str:
@@ -134,19 +139,12 @@ def results_markdown(
         "|---|---|---|---|---|---|---|---|---|"
     )
 
-    def rows(size, modes):
-        lines = []
-        for mode in modes:
-            s = summary.get((size, mode))
-            if s:
-                lines.append(
-                    f"| {mode} | {_pm(s, 'success_avg4')} | {_pm(s, 'success')} | "
-                    f"{_pm(s, 'reward')} | "
-                    f"{_pm(s, 'fidelity')} | {_pm(s, 'tool_error_rate')} | "
-                    f"{_pm(s, 'invalid_rate')} | {s['rl_tokens']:,.0f} | {s['rl_seconds']:.0f} |"
-                )
-        return "\n".join(lines)
-
+    rows = [
+        f"| {mode} | {_pm(s, 'success_avg4')} | {_pm(s, 'success')} | {_pm(s, 'reward')} | "
+        f"{_pm(s, 'fidelity')} | {_pm(s, 'tool_error_rate')} | "
+        f"{_pm(s, 'invalid_rate')} | {s['rl_tokens']:,.0f} | {s['rl_seconds']:.0f} |"
+        for mode, s in _results(summary, main, MODES)
+    ]
     params = summary[(main, "sft_only")]["params"] if (main, "sft_only") in summary else 0
     parts = [
         "# Mode comparison on the demo domain",
@@ -158,7 +156,7 @@ def results_markdown(
         f"Overrides on the base config, the same for every run: `{json.dumps(overrides)}`.",
         "",
         header,
-        rows(main, MODES),
+        "\n".join(rows),
     ]
     if len(sizes) > 1:
         parts += [
@@ -169,13 +167,11 @@ def results_markdown(
             "|---|---|---|---|---|---|",
         ]
     for size, preset in sizes.items() if len(sizes) > 1 else ():
-        for mode in SCALE_MODES:
-            s = summary.get((size, mode))
-            if s:
-                parts.append(
-                    f"| {preset} | {s['params']:,} | {mode} | {_pm(s, 'success_avg4')} | "
-                    f"{_pm(s, 'reward')} | {_pm(s, 'fidelity')} |"
-                )
+        parts += [
+            f"| {preset} | {s['params']:,} | {mode} | {_pm(s, 'success_avg4')} | "
+            f"{_pm(s, 'reward')} | {_pm(s, 'fidelity')} |"
+            for mode, s in _results(summary, size, SCALE_MODES)
+        ]
     parts += [
         "",
         "## The paper's claims",
