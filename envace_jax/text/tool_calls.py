@@ -162,6 +162,36 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+# A size bound's message: {size} is the number, or the length of the string or list; {bound}
+# the keyword's value.
+_BOUND_MESSAGES = {
+    "minimum": "{size} is below the minimum {bound}",
+    "maximum": "{size} is above the maximum {bound}",
+    "minLength": "shorter than {bound} characters",
+    "maxLength": "longer than {bound} characters",
+    "minItems": "fewer than {bound} items",
+    "maxItems": "more than {bound} items",
+}
+
+
+def _broken_bound(value: Any, schema: Mapping) -> str | None:
+    """The message of the first size bound of `schema` that `value` breaks, or None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        size, low, high, kind = value, "minimum", "maximum", (int, float)
+    elif isinstance(value, str):
+        size, low, high, kind = len(value), "minLength", "maxLength", int
+    elif isinstance(value, list):
+        size, low, high, kind = len(value), "minItems", "maxItems", int
+    else:
+        return None
+    lo, hi = schema.get(low), schema.get(high)
+    if isinstance(lo, kind) and size < lo:
+        return _BOUND_MESSAGES[low].format(size=size, bound=lo)
+    if isinstance(hi, kind) and size > hi:
+        return _BOUND_MESSAGES[high].format(size=size, bound=hi)
+    return None
+
+
 def validate_schema(value: Any, schema: Any, path: str = "arguments") -> str | None:
     """First violation of ``schema`` by ``value`` as a message naming its path, or None.
 
@@ -186,18 +216,9 @@ def validate_schema(value: Any, schema: Any, path: str = "arguments") -> str | N
         if isinstance(subs, list) and subs:
             if all(validate_schema(value, s, path) is not None for s in subs):
                 return f"{path}: matches none of the {key} alternatives"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        lo, hi = schema.get("minimum"), schema.get("maximum")
-        if isinstance(lo, (int, float)) and value < lo:
-            return f"{path}: {value} is below the minimum {lo}"
-        if isinstance(hi, (int, float)) and value > hi:
-            return f"{path}: {value} is above the maximum {hi}"
-    if isinstance(value, str):
-        lo, hi = schema.get("minLength"), schema.get("maxLength")
-        if isinstance(lo, int) and len(value) < lo:
-            return f"{path}: shorter than {lo} characters"
-        if isinstance(hi, int) and len(value) > hi:
-            return f"{path}: longer than {hi} characters"
+    broken = _broken_bound(value, schema)
+    if broken:
+        return f"{path}: {broken}"
     if isinstance(value, dict):
         props = schema.get("properties")
         props = props if isinstance(props, Mapping) else {}
@@ -216,11 +237,6 @@ def validate_schema(value: Any, schema: Any, path: str = "arguments") -> str | N
             if err:
                 return err
     if isinstance(value, list):
-        lo, hi = schema.get("minItems"), schema.get("maxItems")
-        if isinstance(lo, int) and len(value) < lo:
-            return f"{path}: fewer than {lo} items"
-        if isinstance(hi, int) and len(value) > hi:
-            return f"{path}: more than {hi} items"
         items = schema.get("items")
         if isinstance(items, Mapping):
             for i, item in enumerate(value):
