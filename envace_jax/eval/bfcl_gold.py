@@ -56,10 +56,24 @@ def choose(allowed, required=False):
     return OMIT
 
 
+def _boolean(v) -> str:
+    return "true" if v else "false"
+
+
+# Scalar types' literals, as the package's Java and JavaScript type converters parse them back.
+_JAVA_SCALARS = {
+    "boolean": _boolean,
+    "long": "{}L".format,
+    "float": "{}f".format,
+    "char": "'{}'".format,
+}
+_JS_SCALARS = {"Boolean": _boolean, "Bigint": "{}n".format}
+
+
 def java_value(v):
     """A literal the package's untyped Java value parser reads back as v."""
     if isinstance(v, bool):
-        return "true" if v else "false"
+        return _boolean(v)
     if isinstance(v, str):
         return json.dumps(v)
     return str(v)
@@ -67,14 +81,8 @@ def java_value(v):
 
 def java(v, typ, nested=None):
     """Java source text for v, as the package's Java type converter parses it back."""
-    if typ == "boolean":
-        return "true" if v else "false"
-    if typ == "long":
-        return f"{v}L"
-    if typ == "float":
-        return f"{v}f"
-    if typ == "char":
-        return f"'{v}'"
+    if typ in _JAVA_SCALARS:
+        return _JAVA_SCALARS[typ](v)
     if typ == "ArrayList" and isinstance(v, list):
         quote = {"String": json.dumps, "char": lambda x: f"'{x}'"}.get(nested)
         items = [quote(x) if quote else java(x, nested) if nested else java_value(x) for x in v]
@@ -90,10 +98,8 @@ def java(v, typ, nested=None):
 
 def js(v, typ, nested=None):
     """JavaScript source text for v, as the package's JS type converter parses it back."""
-    if typ == "Boolean":
-        return "true" if v else "false"
-    if typ == "Bigint":
-        return f"{v}n"
+    if typ in _JS_SCALARS:
+        return _JS_SCALARS[typ](v)
     if typ == "array" and isinstance(v, list):
         return "[" + ", ".join(js(x, nested) if nested else json.dumps(x) for x in v) + "]"
     if typ == "dict" and isinstance(v, dict):
