@@ -140,7 +140,7 @@ def committed_runs(
         sampling=sampling,
         max_new_tokens=max_new_tokens,
         layout=layout,
-    )
+    )[0]
 
 
 def greedy_and_sampled_runs(

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from envace_jax.rollout.real_env import real_env_trajectories
+from envace_jax.rollout.real_env import real_env_rollouts
 from envace_jax.rollout.world_rehearsal import RolloutBatch, judged_batch, rollout_stats
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.sampler import Sampler
@@ -99,7 +99,7 @@ def real_env_group_rollouts(
     if sampler.spec.mode != "host":
         raise ValueError("real_env_group_rollouts needs a sampler whose TurnSpec.mode is 'host'")
     rows = [t for t in tasks for _ in range(group_size)]
-    results, out = real_env_trajectories(
+    results, out = real_env_rollouts(
         sampler,
         tokenizer,
         rows,

@@ -65,39 +65,14 @@ def real_env_rollouts(
     max_new_tokens: int,
     prompts: Sequence[Sequence[int]] | None = None,
     layout: parallel.RowLayout | None = None,
-) -> list[RealEpisode]:
-    """One committed execution of every task in a fresh environment (sampler mode 'host').
+) -> tuple[list[RealEpisode], Trajectories]:
+    """One committed execution of every task in a fresh environment (sampler mode 'host'): the
+    episodes, and the sampled rows (observations are CONTEXT) for training.
 
     prompts: optional prompt ids per task (e.g. with a rehearsal memory in the context);
     default: the task's opening messages.
     layout: the global batch's rows; `tasks` (and `prompts`) are then this process's rows
     (`layout.rows`), and every process must call this together."""
-    return real_env_trajectories(
-        sampler,
-        tokenizer,
-        tasks,
-        make_env,
-        key=key,
-        sampling=sampling,
-        max_new_tokens=max_new_tokens,
-        prompts=prompts,
-        layout=layout,
-    )[0]
-
-
-def real_env_trajectories(
-    sampler: Sampler,
-    tokenizer,
-    tasks: Sequence[Any],
-    make_env: Callable[[], Any],
-    *,
-    key: jax.Array,
-    sampling: SamplingParams,
-    max_new_tokens: int,
-    prompts: Sequence[Sequence[int]] | None = None,
-    layout: parallel.RowLayout | None = None,
-) -> tuple[list[RealEpisode], Trajectories]:
-    """`real_env_rollouts`, and the sampled rows (observations are CONTEXT), for training."""
     if sampler.spec.mode != "host":
         raise ValueError("real_env_rollouts needs a sampler whose TurnSpec.mode is 'host'")
     default_prompts, users = task_prompts(tokenizer, tasks)
@@ -143,6 +118,11 @@ def real_env_trajectories(
         if _anywhere(any(o is not None for o in obs), layout):
             state = sampler.resume(state, obs, sampling=sampling, layout=layout)
     out = sampler.trajectories(state, layout)
+    return _judged(tokenizer, tasks, out, envs, observations, call_errors, invalid_calls), out
+
+
+def _judged(tokenizer, tasks, out, envs, observations, call_errors, invalid_calls):
+    """Each row's `RealEpisode`: its success in its environment and its checklist score."""
     results = []
     for b, task in enumerate(tasks):
         ep = build_episode(
@@ -164,7 +144,7 @@ def real_env_trajectories(
                 ep, success, judge(task, ep.messages).score, call_errors[b], envs[b].state()
             )
         )
-    return results, out
+    return results
 
 
 def _host_rows(state, layout: parallel.RowLayout | None):

@@ -307,7 +307,7 @@ class TestTimeRehearsal:
                 sampling=sampling,
                 max_new_tokens=max_new_tokens,
                 prompts=[prompts[i] for i in chunk],
-            )
+            )[0]
         if sampling.greedy:
             by_row = dict(zip(rows, results, strict=True))
             results = [by_row[of_row[i]] for i in range(len(tasks))]
