@@ -22,37 +22,23 @@ import sys
 log = logging.getLogger("envace_jax.serve")
 
 
-def build_server(
-    model_dir: str,
-    *,
-    tokenizer_dir: str | None = None,
-    served_model_name: str | None = None,
-    max_model_len: int | None = None,
-    max_batch: int = 32,
-    chunk_steps: int = 16,
-    batch_wait_ms: float = 5.0,
-    batch_max_wait_ms: float = 25.0,
-    seed: int = 0,
-    default_max_tokens: int | None = None,
-    api_key: str | None = None,
-    max_request_bytes: int = 4 * 2**20,
-    param_dtype: str | None = None,
-):
-    """Loads the model and tokenizer and returns (asgi app, ServerConfig)."""
+def build_server(args: argparse.Namespace):
+    """Loads the model and tokenizer the command line names (`parse_args`) and returns (asgi
+    app, ServerConfig)."""
     from envace_jax.models.hf_io import load_hf_model
     from envace_jax.sampling.chat_spec import turn_spec
     from envace_jax.serve.app import ServerConfig, create_app
     from envace_jax.serve.batcher import Engine
     from envace_jax.text.tokenizer import load_tokenizer, special_ids
 
-    overrides = {"param_dtype": param_dtype} if param_dtype else {}
-    model, cfg = load_hf_model(model_dir, **overrides)
-    tokenizer = load_tokenizer(tokenizer_dir or model_dir)
+    overrides = {"param_dtype": args.param_dtype} if args.param_dtype else {}
+    model, cfg = load_hf_model(args.model, **overrides)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
     if len(tokenizer) > cfg.vocab_size:
         raise ValueError(
             f"tokenizer has {len(tokenizer)} ids but the model's vocab_size is {cfg.vocab_size}"
         )
-    limit = max_model_len or cfg.max_position_embeddings
+    limit = args.max_model_len or cfg.max_position_embeddings
     # One spec serves both endpoints: a row stops at <|im_end|> (or <|endoftext|>).
     spec = turn_spec(tokenizer, mode="generate", max_message_tokens=1 << 30)
     pad = tokenizer.pad_token_id
@@ -60,21 +46,21 @@ def build_server(
         model,
         spec,
         pad_id=special_ids(tokenizer).endoftext if pad is None else pad,
-        max_batch=max_batch,
-        chunk_steps=chunk_steps,
-        wait_s=batch_wait_ms / 1000,
-        max_wait_s=batch_max_wait_ms / 1000,
-        seed=seed,
+        max_batch=args.max_batch,
+        chunk_steps=args.chunk_steps,
+        wait_s=args.batch_wait_ms / 1000,
+        max_wait_s=args.batch_max_wait_ms / 1000,
+        seed=args.seed,
     )
-    path = os.path.normpath(model_dir)
-    name = served_model_name or os.path.basename(path)
+    path = os.path.normpath(args.model)
+    name = args.served_model_name or os.path.basename(path)
     config = ServerConfig(
         model_name=name,
         max_model_len=limit,
-        aliases=tuple({model_dir, path, os.path.abspath(path)} - {name}),
-        default_max_tokens=default_max_tokens,
-        api_key=api_key,
-        max_request_bytes=max_request_bytes,
+        aliases=tuple({args.model, path, os.path.abspath(path)} - {name}),
+        default_max_tokens=args.default_max_tokens,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
     )
     return create_app(engine, tokenizer, config), config
 
@@ -123,21 +109,7 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
-    app, config = build_server(
-        args.model,
-        tokenizer_dir=args.tokenizer,
-        served_model_name=args.served_model_name,
-        max_model_len=args.max_model_len,
-        max_batch=args.max_batch,
-        chunk_steps=args.chunk_steps,
-        batch_wait_ms=args.batch_wait_ms,
-        batch_max_wait_ms=args.batch_max_wait_ms,
-        seed=args.seed,
-        default_max_tokens=args.default_max_tokens,
-        api_key=args.api_key,
-        max_request_bytes=args.max_request_bytes,
-        param_dtype=args.param_dtype,
-    )
+    app, config = build_server(args)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
