@@ -35,8 +35,16 @@ _DUAL_CLIP: Rule = (lambda v: number(1, lo_open=True)[0](v) or v == 0, "0 (off) 
 _ROLE_NAMES = tuple(ROLE_IDS)  # every generated role
 
 
+class _TrainedRoles(Section):
+    """A step's section whose loss covers the tokens of its `train_roles`."""
+
+    @property
+    def train_role_ids(self) -> tuple[int, ...]:
+        return tuple(ROLE_IDS[r] for r in self.train_roles)
+
+
 @dataclasses.dataclass(frozen=True)
-class GRPOConfig(Section):
+class GRPOConfig(_TrainedRoles):
     """Role-wise GRPO. Defaults reproduce the reference run (EnvACE `run_checklist_share.sh`)."""
 
     config_key: ClassVar[str] = "grpo"
@@ -75,13 +83,9 @@ class GRPOConfig(Section):
     mini_batches: int = knob(1, integer(1))  # Optimizer updates per pass; rows split evenly.
     micro_batches: int = knob(1, integer(1))  # Gradient-accumulation chunks per update.
 
-    @property
-    def train_role_ids(self) -> tuple[int, ...]:
-        return tuple(ROLE_IDS[r] for r in self.train_roles)
-
 
 @dataclasses.dataclass(frozen=True)
-class SFTConfig(Section):
+class SFTConfig(_TrainedRoles):
     """Supervised warm start: cross-entropy on the generated tokens of the chosen roles."""
 
     config_key: ClassVar[str] = "sft"
@@ -94,10 +98,6 @@ class SFTConfig(Section):
     context_weight: float = knob(0.0, number(0))
     mini_batches: int = knob(1, integer(1))  # Optimizer updates per batch; rows split evenly.
     micro_batches: int = knob(1, integer(1))  # Gradient-accumulation chunks per update.
-
-    @property
-    def train_role_ids(self) -> tuple[int, ...]:
-        return tuple(ROLE_IDS[r] for r in self.train_roles)
 
 
 @dataclasses.dataclass(frozen=True)
