@@ -315,17 +315,9 @@ class Decoder(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Kernel(cfg, "lm_head.kernel", rngs)
 
-    def hidden_states(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        *,
-        attention_mask: jax.Array | None = None,
-        cache: KVCache | None = None,
-        kv_window: int | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
-        """The final-normed hidden states [B, T, E] (compute dtype) and the updated cache; see
-        `__call__` for the arguments."""
+    def _hidden_states(self, tokens, positions, attention_mask, cache, kv_window):
+        """The final-normed hidden states [B, T, E] (compute dtype) and the updated cache; the
+        arguments are `__call__`'s."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         _check_inputs(cfg, tokens, positions, attention_mask, cache, kv_window)
@@ -380,15 +372,11 @@ class Decoder(nnx.Module):
         return x, new_cache
 
     def prefill(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        cache: KVCache,
-        kv_window: int | None = None,
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache, kv_window: int | None = None
     ) -> KVCache:
         """Writes `tokens` [B, T] into `cache` without computing logits: a long prompt never
         materialises [B, T, V] (for a 150k vocabulary that is ~0.6 MB per token)."""
-        return self.hidden_states(tokens, positions, cache=cache, kv_window=kv_window)[1]
+        return self._hidden_states(tokens, positions, None, cache, kv_window)[1]
 
     def __call__(
         self,
@@ -407,9 +395,7 @@ class Decoder(nnx.Module):
         """
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
-        x, new_cache = self.hidden_states(
-            tokens, positions, attention_mask=attention_mask, cache=cache, kv_window=kv_window
-        )
+        x, new_cache = self._hidden_states(tokens, positions, attention_mask, cache, kv_window)
         emb = self.embed.embedding[...]
         if cfg.tie_word_embeddings:
             logits = jnp.einsum(

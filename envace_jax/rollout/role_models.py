@@ -87,11 +87,7 @@ class RoleDecoders(nnx.Module):
         return logits, self._join(cache, act_cache, reh_cache, role, open_call)
 
     def prefill(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        cache: KVCache,
-        kv_window: int | None = None,
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache, kv_window: int | None = None
     ) -> KVCache:
         """Writes `tokens` [B, T] into both decoders' caches without computing logits."""
         act_cache, reh_cache = self._split(cache)
