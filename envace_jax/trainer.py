@@ -41,10 +41,9 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 from flax import nnx
 
-from envace_jax import evaluation, parallel, report
+from envace_jax import evaluation, parallel, report, warm_start_data
 from envace_jax.build import build_mesh, build_model, build_tokenizer
 from envace_jax.configuration import step_configs
 from envace_jax.data.stream import TaskStream, length_grouped_batch
@@ -52,7 +51,7 @@ from envace_jax.diagnostics import build_copy_probe, copy_metrics
 from envace_jax.envs.registry import domain
 from envace_jax.evaluation import EvalResult
 from envace_jax.metrics import MetricsWriter, Progress, truncate_metrics
-from envace_jax.rl.batch import from_numpy, pad_to_bucket, smallest_fitting_bucket
+from envace_jax.rl.batch import pad_to_bucket, smallest_fitting_bucket
 from envace_jax.rl.optim import make_optimizer
 from envace_jax.rl.steps import (
     TrainState,
@@ -63,7 +62,6 @@ from envace_jax.rl.steps import (
     make_shardings,
     shard_batch,
 )
-from envace_jax.rollout.memory import memory_demonstrations
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.strategies import RolloutSetup, strategy
 from envace_jax.workdir import (
@@ -80,6 +78,16 @@ from envace_jax.workdir import (
 
 class TrainingDiverged(RuntimeError):
     """A loss or gradient norm was NaN or inf."""
+
+
+def check_finite(metrics: dict[str, float], phase: str, step: int, last_good) -> None:
+    """Stops the run, without saving, at a non-finite loss or gradient norm."""
+    bad = [k for k in ("loss", "grad_norm") if k in metrics and not math.isfinite(metrics[k])]
+    if bad:
+        raise TrainingDiverged(
+            f"{phase} step {step}: {', '.join(f'{k}={metrics[k]}' for k in bad)}; stopping "
+            f"without saving. The last good checkpoint is step {last_good}."
+        )
 
 
 def _ignore(*args) -> None:
@@ -189,39 +197,13 @@ class Trainer:
             meta["warm_start_eval"] = found.meta["sft_eval"]
         return found.step, self.fresh_state(found.params, "sft"), meta
 
-    @staticmethod
-    def _check_finite(metrics: dict[str, float], phase: str, step: int, last_good) -> None:
-        bad = [k for k in ("loss", "grad_norm") if k in metrics and not math.isfinite(metrics[k])]
-        if bad:
-            raise TrainingDiverged(
-                f"{phase} step {step}: {', '.join(f'{k}={metrics[k]}' for k in bad)}; stopping "
-                f"without saving. The last good checkpoint is step {last_good}."
-            )
-
     # --------------------------------------------------------------------------- warm start
 
     def sft_examples(self) -> list:
-        """Warm-start sequences (`text.trajectory.EncodedConversation`), one per training task:
-        its oracle conversation, actions as ACT and the real environment's responses as
-        REHEARSE targets; a share `data.failure_demos` shows a failing call and its recovery
-        (the domain's `demonstrations`). For a fraction `rehearsal.sft_memory_fraction`
-        of the tasks the prompt also carries a rehearsal memory (exact, or partly wrong so that
-        the policy learns to check it; `rollout.memory`), which test-time rehearsal gives the
-        committed run."""
-        demos = self.domain.demonstrations(
-            self.train_tasks, self.tokenizer, self.config.data.failure_demos, self.config.seed
+        """The warm start's demonstrations, one per training task (`warm_start_data`)."""
+        return warm_start_data.demonstrations(
+            self.config, self.domain, self.train_tasks, self.tokenizer
         )
-        fraction = self.config.rehearsal.sft_memory_fraction
-        if fraction > 0:
-            with_memory = memory_demonstrations(
-                self.train_tasks,
-                self.tokenizer,
-                self.domain.make_env,
-                fraction=fraction,
-                seed=self.config.seed,
-            )
-            demos = [with_memory.get(i, d) for i, d in enumerate(demos)]
-        return demos
 
     def _global_batch(self, batch, layout: parallel.RowLayout, shardings):
         """The step's global batch from host rows: this process's rows (`layout.rows`), or every
@@ -236,21 +218,8 @@ class Trainer:
             self._demos = self.sft_examples()
         layout = self.sft_layout
         rows = [self._demos[indices[i] % len(self._demos)] for i in layout.rows]
-        T = max(len(r.ids) for r in rows)
-        tokens = np.full((len(rows), T), self.pad_id, np.int32)
-        roles = np.zeros((len(rows), T), np.int8)
-        segments = np.zeros((len(rows), T), np.int32)
-        for b, r in enumerate(rows):
-            n = len(r.ids)
-            tokens[b, :n], roles[b, :n], segments[b, :n] = r.ids, r.roles, r.segments
-        batch = from_numpy(
-            tokens=tokens,
-            roles=roles,
-            segments=segments,
-            lengths=[len(r.ids) for r in rows],
-            group=layout.rows,
-            reward=np.zeros(len(rows)),
-        )
+        batch = warm_start_data.rows_batch(rows, layout.rows, self.pad_id)
+        T = batch.tokens.shape[1]
         longest = parallel.process_max(T)  # every process pads to the same bucket
         bucket = smallest_fitting_bucket(longest, self.config.rollout.length_buckets)
         batch = pad_to_bucket(batch, (bucket,), pad_id=self.pad_id)
@@ -272,7 +241,7 @@ class Trainer:
             state, metrics = self.sft_step(state, batch)
             if step % s.log_every == 0 or step == self.sft_steps:
                 m = {k: float(v) for k, v in metrics.items()}
-                self._check_finite(m, "warm-start", step, last_good)
+                check_finite(m, "warm-start", step, last_good)
                 shown = {"loss": m["loss"], "nll": m["nll"]}
                 if s.probe_every and (step % s.probe_every == 0 or step == self.sft_steps):
                     probe = self._copy_metrics(state.params)
@@ -285,7 +254,7 @@ class Trainer:
                 progress.update(step, **shown)
             if step % s.checkpoint_every == 0 and step < self.sft_steps:
                 m = {k: float(v) for k, v in metrics.items()}
-                self._check_finite(m, "warm-start", step, last_good)
+                check_finite(m, "warm-start", step, last_good)
                 self._save(step, state, {"phase": "sft", "data_position": step * s.sft_batch_size})
                 last_good = step
         return state
@@ -352,7 +321,7 @@ class Trainer:
             batch = self._global_batch(rb.batch, self.rl_layout, self.rl_shardings)
             state, metrics = self.grpo_step(state, batch, *ref)
             m = {k: float(v) for k, v in metrics.items()}
-            self._check_finite(m, "RL", g, last_good)
+            check_finite(m, "RL", g, last_good)
             m.update({f"rollout_{k}": v for k, v in rb.stats.items()})
             m.update(rollout_s=t1 - t0, update_s=time.time() - t1)
             self.writer.write(rl_step, "rl", m, global_step=g)

@@ -1,0 +1,51 @@
+"""The warm start's data: the encoded demonstrations and the padded batch of a step's rows.
+
+Each demonstration is one training task's oracle conversation (`text.trajectory.
+EncodedConversation`): the agent's messages as ACT targets and the real environment's responses
+as REHEARSE targets. A share `data.failure_demos` shows a failing call and its recovery (the
+domain's `demonstrations`); for a share `rehearsal.sft_memory_fraction` of the tasks the prompt
+also carries a rehearsal memory (exact, or partly wrong so that the policy learns to check it;
+`rollout.memory`), which test-time rehearsal gives the committed run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from envace_jax.envs.registry import Domain
+from envace_jax.rl.batch import from_numpy
+from envace_jax.rollout.memory import memory_demonstrations
+
+
+def demonstrations(config, domain: Domain, tasks: Sequence, tokenizer) -> list:
+    """One encoded demonstration per task (see the module docstring)."""
+    demos = domain.demonstrations(tasks, tokenizer, config.data.failure_demos, config.seed)
+    fraction = config.rehearsal.sft_memory_fraction
+    if fraction > 0:
+        with_memory = memory_demonstrations(
+            tasks, tokenizer, domain.make_env, fraction=fraction, seed=config.seed
+        )
+        demos = [with_memory.get(i, d) for i, d in enumerate(demos)]
+    return demos
+
+
+def rows_batch(rows: Sequence, group: Sequence[int], pad_id: int):
+    """The trajectory batch of encoded demonstrations `rows`, right-padded to the longest; `group`
+    is each row's global row index (its own group: the warm start has no baselines)."""
+    T = max(len(r.ids) for r in rows)
+    tokens = np.full((len(rows), T), pad_id, np.int32)
+    roles = np.zeros((len(rows), T), np.int8)
+    segments = np.zeros((len(rows), T), np.int32)
+    for b, r in enumerate(rows):
+        n = len(r.ids)
+        tokens[b, :n], roles[b, :n], segments[b, :n] = r.ids, r.roles, r.segments
+    return from_numpy(
+        tokens=tokens,
+        roles=roles,
+        segments=segments,
+        lengths=[len(r.ids) for r in rows],
+        group=group,
+        reward=np.zeros(len(rows)),
+    )
