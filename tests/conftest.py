@@ -1,11 +1,43 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and one compilation cache for the whole test run."""
 
 import os
+import shutil
+import sys
+import tempfile
 import time
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_MIN_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+
+
+def pytest_configure(config):
+    """Most of a test's time is XLA compiling programs that other tests compiled already (each
+    smoke job compiles the same steps and samplers afresh). A persistent compilation cache,
+    fresh for each run and set in the environment, lets every test, pytest-xdist worker and
+    subprocess (jobs, servers, fake-device children) reuse them. A cache hit runs the same
+    executable, so no result changes. A cache directory the caller set is used and kept."""
+    if os.environ.get(_CACHE_ENV):
+        return  # the caller's, or the xdist controller's (workers inherit its environment)
+    path = tempfile.mkdtemp(prefix="envace-jax-compile-")
+    config._envace_compile_cache = path
+    os.environ[_CACHE_ENV] = path
+    os.environ[_MIN_TIME_ENV] = "0"  # the default (1 s) would skip most of the tiny programs
+    if "jax" in sys.modules:  # imported by a plugin before this hook
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_envace_compile_cache", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop(_CACHE_ENV, None)
+        os.environ.pop(_MIN_TIME_ENV, None)
 
 
 def smollm2_gguf_path() -> str:
