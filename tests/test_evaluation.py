@@ -96,6 +96,7 @@ def test_headroom_pass_at_k_bounds(setup):
     assert sum(r["tasks"] for f, r in out.items() if f != "all") == N_TASKS
 
 
+@pytest.mark.slow  # a smoke train job, then the headroom job on its workdir
 def test_headroom_job_on_a_trained_workdir(tmp_path):
     """The headroom job reads a train job's workdir and writes its table and JSON: one row per
     (family, policy), the trained policy beside the warm start when RL ran."""

@@ -296,6 +296,7 @@ def test_each_mode_trains_from_the_shared_warm_start(warm_start, tmp_path, mode)
     assert _max_change(restored.params, state.params) == 0.0
 
 
+@pytest.mark.slow  # needs the warm start job of the fixture (a minute of CPU)
 def test_a_train_jobs_workdir_gives_the_warm_start_it_kept(warm_start, tmp_path):
     """A train job ends on RL, and its checkpoint at step sft_steps opens the RL phase rather
     than ending a warm start; the warm start it keeps in warm_start/ is what a longer RL run
@@ -312,6 +313,7 @@ def test_a_train_jobs_workdir_gives_the_warm_start_it_kept(warm_start, tmp_path)
     assert meta["warm_start_eval"] == shared_meta["warm_start_eval"]
 
 
+@pytest.mark.slow  # needs the warm start job of the fixture (a minute of CPU)
 def test_an_unreadable_kept_warm_start_falls_back_to_the_checkpoint(warm_start, tmp_path, capsys):
     """The copy kept in warm_start/ comes first; when it is corrupt, the checkpoint at step
     sft_steps is used, with a warning; when that is unreadable too, the error names it."""
@@ -330,6 +332,7 @@ def test_an_unreadable_kept_warm_start_falls_back_to_the_checkpoint(warm_start, 
         trainer.load_warm_start(str(copy))
 
 
+@pytest.mark.slow  # needs the warm start job of the fixture (a minute of CPU)
 def test_warm_start_from_another_config_is_refused(warm_start, tmp_path):
     from envace_jax.trainer import Trainer
 
