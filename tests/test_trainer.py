@@ -221,6 +221,7 @@ def test_family_success_is_a_rate_per_family_of_tasks_that_name_one():
     assert got == {"a": pytest.approx(2 / 3), "b": 0.0, "c": 1.0}
 
 
+@pytest.mark.slow  # a smoke job of its own, with a GRPO step compiled for the KL term
 def test_kl_penalty_to_the_warm_start_is_applied_and_logged(tmp_path):
     """grpo.use_kl trains against a frozen copy of the warm start: every RL step logs a finite,
     non-negative k3 KL, and it is 0 at the first step (the policy is still the reference)."""
