@@ -81,9 +81,20 @@ class JudgeServer:
             nth = self.seen[prompt]
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        released = False
+
+        def respond(code: int, payload: bytes):
+            # The request leaves the in-flight count before its reply is written: once the client
+            # reads the reply it may send the next request, which must not count twice.
+            nonlocal released
+            with self.lock:
+                self.in_flight -= 1
+                released = True
+            return self.send(h, code, payload)
+
         try:
             if self.api_key and h.headers.get("Authorization") != f"Bearer {self.api_key}":
-                return self.send(h, 401, b'{"error": "bad key"}')
+                return respond(401, b'{"error": "bad key"}')
             question = re.search(r"\*\*Question:\*\* (.*)\n", prompt).group(1)
             answer = self.verdict(prompt)
             verdict = {
@@ -99,9 +110,9 @@ class JudgeServer:
             if "[slow]" in question or ("[slow-once]" in question and nth == 1):
                 time.sleep(SLOW_S)
             if "[flaky]" in question and nth == 1:
-                return self.send(h, 500, b"internal error")
+                return respond(500, b"internal error")
             if "[garbage]" in question:
-                return self.send(h, 200, b"<html>not json</html>")
+                return respond(200, b"<html>not json</html>")
             if "[no-answer]" in question:
                 content = "I think it is fine."
             if "[fenced]" in question:
@@ -111,10 +122,10 @@ class JudgeServer:
             if "[think]" in question:
                 content = f'<think>maybe "answer": {json.dumps(not answer)}</think>\n{content}'
             reply = {"choices": [{"message": {"role": "assistant", "content": content}}]}
-            return self.send(h, 200, json.dumps(reply).encode())
+            return respond(200, json.dumps(reply).encode())
         finally:
             with self.lock:
-                self.in_flight -= 1
+                self.in_flight -= 0 if released else 1
 
     @staticmethod
     def send(h, code: int, payload: bytes):
