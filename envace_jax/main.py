@@ -17,11 +17,13 @@ command.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging as std_logging
 import os
 import sys
 import traceback
+import warnings
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -89,13 +91,19 @@ def _missing_paths(config) -> list[str]:
 class _NoOrbaxTracebacks(std_logging.Filter):
     """A failed background checkpoint write is logged with a traceback by each Orbax thread
     involved, and by asyncio for each of its futures that failed too; the error reaches the
-    user once, as CheckpointError. Those log lines stay, without their tracebacks."""
+    user once, as CheckpointError. Orbax's own lines stay, without their tracebacks; asyncio's
+    multi-line reports of the same error are dropped."""
 
     def filter(self, record):
-        if record.exc_info and record.exc_info[2] is not None:
-            frames = traceback.extract_tb(record.exc_info[2])
-            if any(f"{os.sep}orbax{os.sep}" in f.filename for f in frames):
-                record.exc_info, record.exc_text = None, None
+        if not record.exc_info or record.exc_info[1] is None:
+            return True
+        frames = traceback.extract_tb(record.exc_info[2]) if record.exc_info[2] else []
+        from_orbax = any(f"{os.sep}orbax{os.sep}" in f.filename for f in frames)
+        # A TensorStore write error carries no Python frames, but names Orbax's temporary dir.
+        if record.name == "asyncio":
+            return not (from_orbax or ".orbax-checkpoint-tmp" in str(record.exc_info[1]))
+        if from_orbax:
+            record.exc_info, record.exc_text = None, None
         return True
 
 
@@ -114,6 +122,19 @@ def _drop_closed_loop_callbacks(hook):
         hook(u)
 
     return unraisable
+
+
+def _stop_after_failed_checkpoint(error):
+    """Exit 1 with one line. Orbax's abandoned writes are collected first, through the
+    filters above; the interpreter's teardown is skipped, because there each abandoned write
+    is reported again (to a closed log file, or as a coroutine never awaited)."""
+    warnings.filterwarnings("ignore", "coroutine 'async_serialize_from_host", RuntimeWarning)
+    gc.collect()
+    print(f"error: {error}", file=sys.stderr)
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def main(argv):
@@ -156,7 +177,7 @@ def main(argv):
     try:
         jobs.run(config, workdir, force=_FORCE.value)
     except CheckpointError as e:
-        _fail(e, 1)
+        _stop_after_failed_checkpoint(e)
 
 
 def cli():

@@ -100,7 +100,9 @@ def test_a_disk_that_fills_up_stops_the_run_with_one_message(tmp_path):
             cause = "File too large"
     assert r.returncode == 1, r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-6000:]
-    (line,) = _messages(r.stderr)
+    messages = _messages(r.stderr)
+    assert len(messages) == 1, "\n".join(messages)
+    (line,) = messages
     assert line.startswith("error: saving checkpoint step 2 ") and cause in line, line
     assert not (tmp_path / "work" / "summary.md").exists()
 
