@@ -327,61 +327,55 @@ def _hf_rope(c: dict, fail) -> tuple[float, dict[str, Any] | None]:
     return float(theta), {"rope_type": "llama3", **{k: rope[k] for k in _LLAMA3_KEYS}}
 
 
+def _preset(
+    family: str,
+    sizes: tuple[int, int, int, int, int, int, int],
+    *,
+    rope_theta: float,
+    eps: float,
+    tied: bool,
+    max_len: int,
+    **token_ids: int,
+) -> ModelConfig:
+    """A `family` decoder of sizes (V, E, F, L, H, K, D) (the `ModelConfig` docstring's names),
+    RMSNorm `eps`, embeddings `tied` or not, `max_len` positions and the given bos/eos/pad
+    token ids; q/k RMSNorm as the family has it."""
+    V, E, F, L, H, K, D = sizes
+    return ModelConfig(
+        family=family,
+        vocab_size=V,
+        hidden_size=E,
+        intermediate_size=F,
+        num_layers=L,
+        num_heads=H,
+        num_kv_heads=K,
+        head_dim=D,
+        rope_theta=rope_theta,
+        rms_norm_eps=eps,
+        tie_word_embeddings=tied,
+        qk_norm=_FAMILY_KEYS[family]["qk_norm"],
+        max_position_embeddings=max_len,
+        **token_ids,
+    )
+
+
 def _qwen3(*, hidden: int, mlp: int, layers: int, heads: int, tied: bool) -> ModelConfig:
     """A Qwen3 dense model: 8 KV heads of 128 dims, 151936-token vocabulary, rope theta 1e6."""
-    return ModelConfig(
-        family="qwen3",
-        vocab_size=151936,
-        hidden_size=hidden,
-        intermediate_size=mlp,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=8,
-        head_dim=128,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-        qk_norm=True,
-        max_position_embeddings=40960,
-        bos_token_id=151643,
-        eos_token_id=151645,
-    )
+    sizes = (151936, hidden, mlp, layers, heads, 8, 128)
+    ids = {"bos_token_id": 151643, "eos_token_id": 151645}
+    return _preset("qwen3", sizes, rope_theta=1e6, eps=1e-6, tied=tied, max_len=40960, **ids)
 
 
 # Presets. Sizes of the tests' tiny model are deliberately non-default (head_dim != E / H,
 # rope theta, eps) so that a loader or port that ignores one of them fails parity.
 PRESETS: dict[str, ModelConfig] = {
-    "tiny-qwen3": ModelConfig(
-        family="qwen3",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=24,
-        rope_theta=5e5,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        qk_norm=True,
-        max_position_embeddings=512,
+    "tiny-qwen3": _preset(
+        "qwen3", (512, 64, 96, 2, 4, 2, 24), rope_theta=5e5, eps=1e-5, tied=False, max_len=512
     ),
-    # About 2M parameters with a 2048-token vocabulary: trains on CPU in minutes. The vocab
-    # size is replaced by the demo tokenizer's at use time.
-    "demo-qwen3": ModelConfig(  # ~1M parameters: trains on a 2-core CPU in minutes
-        family="qwen3",
-        vocab_size=2048,
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        qk_norm=True,
-        max_position_embeddings=4096,
+    # About 1M parameters with a 2048-token vocabulary: trains on a 2-core CPU in minutes. The
+    # vocab size is replaced by the demo tokenizer's at use time.
+    "demo-qwen3": _preset(
+        "qwen3", (2048, 128, 384, 4, 4, 2, 32), rope_theta=1e6, eps=1e-6, tied=True, max_len=4096
     ),
     # Qwen/Qwen3-1.7B, -4B, -8B (the paper's policies): the architectures their HF config.json
     # files describe, for planning and random-init runs; training loads the checkpoint itself.
@@ -389,20 +383,13 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-4b": _qwen3(hidden=2560, mlp=9728, layers=36, heads=32, tied=True),
     "qwen3-8b": _qwen3(hidden=4096, mlp=12288, layers=36, heads=32, tied=False),
     # HuggingFaceTB/SmolLM2-135M-Instruct.
-    "smollm2-135m": ModelConfig(
-        family="llama",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
+    "smollm2-135m": _preset(
+        "llama",
+        (49152, 576, 1536, 30, 9, 3, 64),
         rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        qk_norm=False,
-        max_position_embeddings=8192,
+        eps=1e-5,
+        tied=True,
+        max_len=8192,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
