@@ -162,6 +162,15 @@ class Kernel(nnx.Module):
         self.kernel = _new_param(cfg, path, rngs)
 
 
+def _add_kernels(
+    module: nnx.Module, cfg: ModelConfig, prefix: str, names: tuple[str, ...], rngs: nnx.Rngs
+):
+    """Sets `module.<name>` to the `Kernel` at `<prefix>.<name>.kernel` for each name, in order
+    (the order in which they draw their init keys)."""
+    for name in names:
+        setattr(module, name, Kernel(cfg, f"{prefix}.{name}.kernel", rngs))
+
+
 @struct.dataclass
 class KVCache:
     """Per-layer keys and values, k and v [L, B, S, K, D]; slot s holds position s."""
@@ -202,10 +211,7 @@ def _attend(qg, keys, values, mask, dt):
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.q_proj = Kernel(cfg, "layers.attn.q_proj.kernel", rngs)
-        self.k_proj = Kernel(cfg, "layers.attn.k_proj.kernel", rngs)
-        self.v_proj = Kernel(cfg, "layers.attn.v_proj.kernel", rngs)
-        self.o_proj = Kernel(cfg, "layers.attn.o_proj.kernel", rngs)
+        _add_kernels(self, cfg, "layers.attn", ("q_proj", "k_proj", "v_proj", "o_proj"), rngs)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg, "layers.attn.q_norm.scale", rngs)
             self.k_norm = RMSNorm(cfg, "layers.attn.k_norm.scale", rngs)
@@ -267,9 +273,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.gate_proj = Kernel(cfg, "layers.mlp.gate_proj.kernel", rngs)
-        self.up_proj = Kernel(cfg, "layers.mlp.up_proj.kernel", rngs)
-        self.down_proj = Kernel(cfg, "layers.mlp.down_proj.kernel", rngs)
+        _add_kernels(self, cfg, "layers.mlp", ("gate_proj", "up_proj", "down_proj"), rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = jnp.dtype(self.cfg.dtype)
@@ -303,7 +307,32 @@ _REMAT_POLICIES = {
 }
 
 
-class Decoder(nnx.Module):
+class CausalLM(nnx.Module):
+    """The call the sampling loop and the scorers make: `Decoder`'s, and that of a model
+    standing in for one (`rollout.role_models.RoleDecoders`); a subclass implements `_forward`."""
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        *,
+        attention_mask: jax.Array | None = None,
+        cache: KVCache | None = None,
+        kv_window: int | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """tokens, positions: int [B, T]. attention_mask: optional [B, T] (1 = real token),
+        cache-less path only. cache: KVCache or None. kv_window: with a cache, attend over
+        its first kv_window slots only (every position must be below it).
+
+        Returns logits [B, T, V] float32 and the updated cache (None if none was given).
+        """
+        return self._forward(tokens, positions, attention_mask, cache, kv_window)
+
+    def _forward(self, tokens, positions, attention_mask, cache, kv_window):
+        raise NotImplementedError
+
+
+class Decoder(CausalLM):
     """Causal LM. See the module docstring for the parameter tree and cache semantics."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -378,21 +407,8 @@ class Decoder(nnx.Module):
         materialises [B, T, V] (for a 150k vocabulary that is ~0.6 MB per token)."""
         return self._hidden_states(tokens, positions, None, cache, kv_window)[1]
 
-    def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        *,
-        attention_mask: jax.Array | None = None,
-        cache: KVCache | None = None,
-        kv_window: int | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
-        """tokens, positions: int [B, T]. attention_mask: optional [B, T] (1 = real token),
-        cache-less path only. cache: KVCache or None. kv_window: with a cache, attend over
-        its first kv_window slots only (every position must be below it).
-
-        Returns logits [B, T, V] float32 and the updated cache (None if none was given).
-        """
+    def _forward(self, tokens, positions, attention_mask, cache, kv_window):
+        """`__call__`: the logits from the final hidden states."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         x, new_cache = self._hidden_states(tokens, positions, attention_mask, cache, kv_window)

@@ -1,10 +1,10 @@
 """Two policies in one decode loop: ACT tokens from one decoder, REHEARSE tokens from another.
 
-`RoleDecoders` wraps two decoders of the same architecture behind the `Decoder` call signature,
-so the compiled world-rehearsal loop (`sampling.loop`, mode 'rehearse') runs it unchanged. It
-serves the training modes in which the environment's responses are not written by the acting
-parameters: separate parameter sets per role (`envace_noshare`) and a frozen external simulator
-(`external_simulator`).
+`RoleDecoders` wraps two decoders of the same architecture behind the `Decoder` call signature
+(both are `models.decoder.CausalLM`s), so the compiled world-rehearsal loop (`sampling.loop`,
+mode 'rehearse') runs it unchanged. It serves the training modes in which the environment's
+responses are not written by the acting parameters: separate parameter sets per role
+(`envace_noshare`) and a frozen external simulator (`external_simulator`).
 
 Both decoders read the whole trajectory, so every token goes through both and each keeps its own
 KV cache; the logits of a row come from the decoder of the row's current role. The loop does not
@@ -34,12 +34,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from envace_jax.models.config import ModelConfig
-from envace_jax.models.decoder import Decoder, KVCache
+from envace_jax.models.decoder import CausalLM, Decoder, KVCache
 from envace_jax.sampling.loop import TurnSpec
 from envace_jax.text.codes import Role
 
 
-class RoleDecoders(nnx.Module):
+class RoleDecoders(CausalLM):
     """Per-row choice between an ACT decoder and a REHEARSE decoder (see the module docstring).
 
     Args:
@@ -63,18 +63,9 @@ class RoleDecoders(nnx.Module):
         """The cache layout the loop allocates: both decoders' layers plus one state layer."""
         return self.act.cfg.replace(num_layers=2 * self.layers_per_role + 1)
 
-    def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        *,
-        attention_mask: jax.Array | None = None,
-        cache: KVCache | None = None,
-        kv_window: int | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
-        """tokens, positions int [B, T] -> logits [B, T, V] and the updated cache.
-
-        Without a cache (scoring), every position gets the ACT decoder's logits."""
+    def _forward(self, tokens, positions, attention_mask, cache, kv_window):
+        """`__call__`: per row, the logits of its role's decoder. Without a cache (scoring),
+        every position gets the ACT decoder's logits."""
         if cache is None:
             return self.act(tokens, positions, attention_mask=attention_mask)
         act_cache, reh_cache = self._split(cache)
