@@ -32,7 +32,7 @@ from envace_jax.rollout.real_env import (
     real_env_rollouts,
     rehearsal_fidelity,
 )
-from envace_jax.rollout.world_rehearsal import rehearsal_rollouts
+from envace_jax.rollout.world_rehearsal import GroupSampling, rehearsal_rollouts
 from envace_jax.sampling.distributions import SamplingParams
 
 AVG_SAMPLES = 4  # Sampled executions per task of the avg@4 score.
@@ -195,17 +195,15 @@ def evaluate(
     fidelity = 0.0
     if eval_cfg.fidelity_tasks:
         fid_tasks = tasks[: eval_cfg.fidelity_tasks]
-        rb = rehearsal_rollouts(
-            rehearse_sampler,
-            tokenizer,
-            fid_tasks,
+        group = GroupSampling(
             group_size=1,
             key=jax.random.fold_in(key, 2**20),
             sampling=SamplingParams(greedy=True),
             max_new_tokens=eval_cfg.max_new_tokens,
             length_buckets=length_buckets,
-            layout=parallel.row_layout(mesh, len(fid_tasks)),
         )
+        layout = parallel.row_layout(mesh, len(fid_tasks))
+        rb = rehearsal_rollouts(rehearse_sampler, tokenizer, fid_tasks, group, layout=layout)
         share, compared = rehearsal_fidelity(rb.episodes, rb.tasks, make_env)
         matched, compared = parallel.process_sum([share * compared, compared])
         fidelity = float(matched / compared) if compared else 0.0

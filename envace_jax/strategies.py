@@ -31,7 +31,7 @@ from envace_jax import parallel
 from envace_jax.rl.steps import TrainState, frozen_copy, init_train_state
 from envace_jax.rollout.modes import MODE_SPECS, ModeSpec, mode_spec, real_env_group_rollouts
 from envace_jax.rollout.role_models import role_decoders, role_state
-from envace_jax.rollout.world_rehearsal import RolloutBatch, rehearsal_rollouts
+from envace_jax.rollout.world_rehearsal import GroupSampling, RolloutBatch, rehearsal_rollouts
 from envace_jax.sampling.chat_spec import turn_spec
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.sampler import Sampler
@@ -116,18 +116,15 @@ class SharedPolicy:
     def rollouts(self, params, tasks: Sequence[Any], key, sampling: SamplingParams) -> RolloutBatch:
         """The RL step's judged batch for `tasks` (`rollout.group_size` trajectories each)."""
         self.rehearse_sampler.set_params(self.rehearsal_params(params))
+        group = self._group(key, sampling)
         return rehearsal_rollouts(
-            self.rehearse_sampler,
-            self.setup.tokenizer,
-            tasks,
-            layout=self.setup.layout,
-            **self._group_args(key, sampling),
+            self.rehearse_sampler, self.setup.tokenizer, tasks, group, layout=self.setup.layout
         )
 
-    def _group_args(self, key, sampling: SamplingParams) -> dict[str, Any]:
+    def _group(self, key, sampling: SamplingParams) -> GroupSampling:
         """The rollout settings every way of sampling a group shares."""
         r = self.setup.rollout
-        return dict(
+        return GroupSampling(
             group_size=r.group_size,
             key=key,
             sampling=sampling,
@@ -151,12 +148,9 @@ class RealEnvPolicy(SharedPolicy):
 
     def rollouts(self, params, tasks: Sequence[Any], key, sampling: SamplingParams) -> RolloutBatch:
         self.host_sampler.set_params(self.act_params(params))
+        group = self._group(key, sampling)
         return real_env_group_rollouts(
-            self.host_sampler,
-            self.setup.tokenizer,
-            tasks,
-            self.setup.make_env,
-            **self._group_args(key, sampling),
+            self.host_sampler, self.setup.tokenizer, tasks, self.setup.make_env, group
         )
 
 

@@ -31,12 +31,15 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from envace_jax.rollout.real_env import real_env_rollouts
-from envace_jax.rollout.world_rehearsal import RolloutBatch, judged_batch, rollout_stats
-from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.rollout.world_rehearsal import (
+    GroupSampling,
+    RolloutBatch,
+    judged_batch,
+    rollout_stats,
+)
 from envace_jax.sampling.sampler import Sampler
 
 
@@ -83,36 +86,37 @@ def real_env_group_rollouts(
     tokenizer,
     tasks: Sequence[Any],
     make_env: Callable[[], Any],
-    *,
-    group_size: int,
-    key: jax.Array,
-    sampling: SamplingParams,
-    max_new_tokens: int,
-    length_buckets: Sequence[int],
-    batch_size: int | None = None,
+    group: GroupSampling,
 ) -> RolloutBatch:
-    """`group_size` real-environment episodes of every task (each in a fresh environment),
-    judged on the real trajectory, as a training batch; rows of task i have group i.
+    """`group.group_size` real-environment episodes of every task (each in a fresh
+    environment), judged on the real trajectory, as a training batch; rows of task i have
+    group i.
 
     The observations are CONTEXT tokens (never trained). Stats add the real success rate and
     the real tool-error rate to `rollout_stats`'."""
     if sampler.spec.mode != "host":
         raise ValueError("real_env_group_rollouts needs a sampler whose TurnSpec.mode is 'host'")
-    rows = [t for t in tasks for _ in range(group_size)]
+    rows = [t for t in tasks for _ in range(group.group_size)]
     results, out = real_env_rollouts(
         sampler,
         tokenizer,
         rows,
         make_env,
-        key=key,
-        sampling=sampling,
-        max_new_tokens=max_new_tokens,
+        key=group.key,
+        sampling=group.sampling,
+        max_new_tokens=group.max_new_tokens,
     )
     episodes = [r.episode for r in results]
     rewards = np.asarray([r.reward for r in results], np.float64)
-    group = np.repeat(np.arange(len(tasks)), group_size)
+    group_ids = np.repeat(np.arange(len(tasks)), group.group_size)
     batch = judged_batch(
-        tokenizer, out, episodes, rewards, group, length_buckets, batch_size=batch_size
+        tokenizer,
+        out,
+        episodes,
+        rewards,
+        group_ids,
+        group.length_buckets,
+        batch_size=group.batch_size,
     )
     lengths = np.asarray([ep.end for ep in episodes], np.int32)
     stats = rollout_stats(episodes, rewards, lengths)

@@ -38,6 +38,20 @@ class RolloutBatch:
     stats: dict[str, float]
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupSampling:
+    """How the rollouts of a batch sample: `group_size` trajectories of every task, keyed by
+    `key`, each of up to `max_new_tokens` tokens; rows padded to one of `length_buckets` (and
+    to `batch_size` rows)."""
+
+    group_size: int
+    key: jax.Array
+    sampling: SamplingParams
+    max_new_tokens: int
+    length_buckets: Sequence[int]
+    batch_size: int | None = None
+
+
 def task_prompts(tokenizer, tasks: Sequence[Any]) -> tuple[list[list[int]], list[list[list[int]]]]:
     """Prompt ids (opening messages + generation prompt) and later user turns of each task."""
     prompts = [prompt_ids(tokenizer, t.messages, t.template_tools) for t in tasks]
@@ -49,21 +63,17 @@ def rehearsal_rollouts(
     sampler: Sampler,
     tokenizer,
     tasks: Sequence[Any],
+    group: GroupSampling,
     *,
-    group_size: int,
-    key: jax.Array,
-    sampling: SamplingParams,
-    max_new_tokens: int,
-    length_buckets: Sequence[int],
-    batch_size: int | None = None,
     layout: parallel.RowLayout | None = None,
 ) -> RolloutBatch:
-    """Samples `group_size` world-rehearsal trajectories of every task and judges them.
+    """Samples `group.group_size` world-rehearsal trajectories of every task and judges them.
 
     Rows are task-major (row r is task r // group_size, its group). With a `layout` of those
     len(tasks) * group_size rows (multi-host), this process samples, judges and returns only
     its rows (`layout.rows`, global group ids, a length bucket agreed by all processes);
     `stats` cover every process's rows."""
+    group_size, length_buckets = group.group_size, group.length_buckets
     all_rows = [t for t in tasks for _ in range(group_size)]
     index = np.arange(len(all_rows))
     if layout is not None:
@@ -74,9 +84,9 @@ def rehearsal_rollouts(
     prompts, users = task_prompts(tokenizer, rows)
     out = sampler.generate(
         prompts,
-        key=key,
-        sampling=sampling,
-        max_new_tokens=max_new_tokens,
+        key=group.key,
+        sampling=group.sampling,
+        max_new_tokens=group.max_new_tokens,
         user_turns=users,
         layout=layout,
     )
@@ -84,13 +94,13 @@ def rehearsal_rollouts(
     rewards = np.asarray(
         [judge(t, ep.messages).score for t, ep in zip(rows, episodes, strict=True)]
     )
-    group = index // group_size
+    group_ids = index // group_size
     lengths = np.asarray([ep.end for ep in episodes], np.int32)
     if layout is not None:  # every process's rows padded to the same length
         longest = parallel.process_max(int(lengths.max(initial=1)))
         length_buckets = (smallest_fitting_bucket(longest, length_buckets),)
     batch = judged_batch(
-        tokenizer, out, episodes, rewards, group, length_buckets, batch_size=batch_size
+        tokenizer, out, episodes, rewards, group_ids, length_buckets, batch_size=group.batch_size
     )
     stats = rollout_stats(episodes, rewards, lengths, everywhere=layout is not None)
     return RolloutBatch(batch, episodes, rows, stats)
