@@ -125,41 +125,50 @@ def my_tasks(mesh, tasks: Sequence[Any]) -> list[Any]:
     return [tasks[i] for i in parallel.row_layout(mesh, len(tasks)).rows]
 
 
+@dataclasses.dataclass(frozen=True)
+class Executions:
+    """Committed executions of `tasks` by the policy `sampler` holds, each in a fresh
+    `make_env()` environment with a budget of `max_new_tokens`; a process runs its rows of
+    `mesh` (every process calls together)."""
+
+    sampler: Any
+    tokenizer: Any
+    tasks: Sequence[Any]
+    make_env: Callable[[], Any]
+    mesh: Any
+    max_new_tokens: int
+
+    def committed(self, key: jax.Array, sampling: SamplingParams) -> list[RealEpisode]:
+        """One execution of each task (this process's rows of them)."""
+        layout = parallel.row_layout(self.mesh, len(self.tasks))
+        return real_env_rollouts(
+            self.sampler,
+            self.tokenizer,
+            [self.tasks[i] for i in layout.rows],
+            self.make_env,
+            key=key,
+            sampling=sampling,
+            max_new_tokens=self.max_new_tokens,
+            layout=layout,
+        )[0]
+
+    def greedy_and_sampled(
+        self, key: jax.Array, sampling: SamplingParams, samples: int
+    ) -> tuple[list[RealEpisode], list[list[RealEpisode]]]:
+        """One greedy execution of each task (keyed by `key`), and `samples` sampled ones
+        (keyed by ``fold_in(key, 1 + s)``): the runs every score here is made of."""
+        greedy = self.committed(key, SamplingParams(greedy=True))
+        sampled = [self.committed(jax.random.fold_in(key, 1 + s), sampling) for s in range(samples)]
+        return greedy, sampled
+
+
 def committed_runs(
     sampler, tokenizer, tasks, make_env, mesh, *, key, sampling, max_new_tokens
 ) -> list[RealEpisode]:
     """One committed execution of each of `tasks` (this process's rows of them on a multi-host
     mesh; every process calls this together)."""
-    layout = parallel.row_layout(mesh, len(tasks))
-    return real_env_rollouts(
-        sampler,
-        tokenizer,
-        [tasks[i] for i in layout.rows],
-        make_env,
-        key=key,
-        sampling=sampling,
-        max_new_tokens=max_new_tokens,
-        layout=layout,
-    )[0]
-
-
-def greedy_and_sampled_runs(
-    sampler, tokenizer, tasks, make_env, mesh, *, key, sampling, samples, max_new_tokens
-) -> tuple[list[RealEpisode], list[list[RealEpisode]]]:
-    """One greedy committed execution of each task (keyed by `key`), and `samples` sampled
-    ones (keyed by ``fold_in(key, 1 + s)``): the runs every score here is made of."""
-    run = lambda k, sp: committed_runs(
-        sampler,
-        tokenizer,
-        tasks,
-        make_env,
-        mesh,
-        key=k,
-        sampling=sp,
-        max_new_tokens=max_new_tokens,
-    )
-    greedy = run(key, SamplingParams(greedy=True))
-    return greedy, [run(jax.random.fold_in(key, 1 + s), sampling) for s in range(samples)]
+    runs = Executions(sampler, tokenizer, tasks, make_env, mesh, max_new_tokens)
+    return runs.committed(key, sampling)
 
 
 def evaluate(
@@ -176,17 +185,8 @@ def evaluate(
     """The protocol of the module docstring. The samplers hold the params to evaluate."""
     mine = my_tasks(mesh, tasks)
     sampled = SamplingParams(temperature=eval_cfg.temperature, top_p=eval_cfg.top_p)
-    greedy, per_sample = greedy_and_sampled_runs(
-        host_sampler,
-        tokenizer,
-        tasks,
-        make_env,
-        mesh,
-        key=key,
-        sampling=sampled,
-        samples=AVG_SAMPLES,
-        max_new_tokens=eval_cfg.max_new_tokens,
-    )
+    runs = Executions(host_sampler, tokenizer, tasks, make_env, mesh, eval_cfg.max_new_tokens)
+    greedy, per_sample = runs.greedy_and_sampled(key, sampled, AVG_SAMPLES)
     greedy_ok = np.asarray([r.success for r in greedy], np.float64)
     avg_ok = np.mean([[r.success for r in rs] for rs in per_sample], axis=0).astype(np.float64)
     m = real_env_metrics(greedy, everywhere=True)
@@ -236,17 +236,8 @@ def headroom(
     """{family or 'all': {'tasks', 'greedy', 'pass@1', 'pass@k'}}: greedy success, and the
     mean and the any-of success of `samples` sampled executions per task."""
     mine = my_tasks(mesh, tasks)
-    greedy_runs, sampled_runs = greedy_and_sampled_runs(
-        host_sampler,
-        tokenizer,
-        tasks,
-        make_env,
-        mesh,
-        key=key,
-        sampling=sampling,
-        samples=samples,
-        max_new_tokens=max_new_tokens,
-    )
+    runs = Executions(host_sampler, tokenizer, tasks, make_env, mesh, max_new_tokens)
+    greedy_runs, sampled_runs = runs.greedy_and_sampled(key, sampling, samples)
     greedy = np.asarray([r.success for r in greedy_runs], np.float64)
     ok = np.asarray([[r.success for r in rs] for rs in sampled_runs], np.float64)
     scores = {"greedy": greedy, "pass@1": ok.mean(axis=0), "pass@k": ok.max(axis=0)}
