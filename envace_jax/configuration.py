@@ -73,6 +73,9 @@ class DataSection(Section):
     # Warm-start demonstrations that show a failing call (the environment's real error
     # response) and the recovery, so that both roles see what a failure looks like.
     failure_demos: float = knob(0.25, number(0.0, 1.0))
+    # Warm-start demonstrations that stop one call short and reply as if done: an imperfect
+    # demonstrator, whose mistake the warm start learns and RL can undo.
+    unfinished_demos: float = knob(0.0, number(0.0, 1.0))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,13 @@ from envace_jax.rollout.memory import memory_demonstrations
 
 def demonstrations(config, domain: Domain, tasks: Sequence, tokenizer) -> list:
     """One encoded demonstration per task (see the module docstring)."""
-    demos = domain.demonstrations(tasks, tokenizer, config.data.failure_demos, config.seed)
+    demos = domain.demonstrations(
+        tasks,
+        tokenizer,
+        config.data.failure_demos,
+        config.seed,
+        unfinished_fraction=config.data.unfinished_demos,
+    )
     fraction = config.rehearsal.sft_memory_fraction
     if fraction > 0:
         with_memory = memory_demonstrations(

@@ -116,3 +116,30 @@ def test_recovery_demonstrations_show_real_error_responses(tokenizer, tasks):
     plain = demonstrations(tasks, tokenizer)
     changed = sum(not np.array_equal(a.ids, b.ids) for a, b in zip(some, plain, strict=True))
     assert 0.15 * len(tasks) < changed < 0.35 * len(tasks)
+
+
+def test_unfinished_demonstrations_skip_the_last_call_and_fail(tokenizer, tasks):
+    """With unfinished demos, each sequence is the oracle's without its last call and that
+    call's response, and replayed in a fresh environment the episode fails; a share of them
+    leaves the rest exactly the oracle's."""
+    demos = demonstrations(tasks, tokenizer, unfinished_fraction=1.0, seed=3)
+    env = DemoEnv()
+    for task, demo in zip(tasks, demos, strict=True):
+        env.reset(task)
+        calls = []
+        roles = demo.segment_roles()
+        for s in range(1, demo.num_segments):
+            text = tokenizer.decode(demo.ids[demo.segments == s], skip_special_tokens=False)
+            if roles[s - 1] == Role.ACT:
+                action = parse_tool_calls(text.removesuffix("<|im_end|>"), task.tools)
+                assert action.error is None, text
+                calls += action.calls
+                env.step(action.calls)
+        solution = task.ground_truth["solution"]
+        assert [c.name for c in calls] == [c["name"] for c in solution[:-1]]
+        assert roles == [Role.ACT, Role.REHEARSE] * (len(solution) - 1) + [Role.ACT]
+        assert not env.success(task.ground_truth["final_reply"])
+    some = demonstrations(tasks, tokenizer, unfinished_fraction=0.5, seed=3)
+    plain = demonstrations(tasks, tokenizer)
+    changed = sum(not np.array_equal(a.ids, b.ids) for a, b in zip(some, plain, strict=True))
+    assert 0.35 * len(tasks) < changed < 0.65 * len(tasks)

@@ -20,8 +20,8 @@ class Domain:
 
     generate_tasks(seed, n, split) -> tasks: deterministic in (seed, split).
     make_env() -> a fresh executable environment (`envs.base.Environment`).
-    demonstrations(tasks, tokenizer, failure_fraction, seed) -> the warm start's encoded oracle
-      conversations, one per task (`text.trajectory.EncodedConversation`).
+    demonstrations(tasks, tokenizer, failure_fraction, seed, unfinished_fraction=) -> the warm
+      start's encoded demonstrations, one per task (`text.trajectory.EncodedConversation`).
     response_tools(tasks) -> the tool of each response in each task's demonstration.
     """
 

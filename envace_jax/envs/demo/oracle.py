@@ -111,15 +111,28 @@ def recovery_messages(task: Any, rng: random.Random, env: DemoEnv | None = None)
     return conversation(task.messages, calls, results, task.ground_truth["final_reply"])
 
 
+def unfinished_messages(task: Any, env: DemoEnv | None = None) -> list[dict[str, Any]]:
+    """The oracle conversation of `task` without its last call and that call's response: the
+    agent gives the final reply one call early, claiming a change it did not make."""
+    messages = oracle_messages(task, env)
+    return [*messages[:-3], messages[-1]]
+
+
 def demonstrations(
-    tasks: Sequence[Any], tokenizer, failure_fraction: float = 0.0, seed: int = 0
+    tasks: Sequence[Any],
+    tokenizer,
+    failure_fraction: float = 0.0,
+    seed: int = 0,
+    unfinished_fraction: float = 0.0,
 ) -> list[EncodedConversation]:
     """Warm-start SFT sequences: each task's oracle conversation encoded as one role-tagged
     token sequence (`EncodedConversation`: ids/roles/segments, each [T]). Assistant messages
     are ACT targets and the real environment's responses REHEARSE targets, so a policy learns
     both to act and to predict what the world answers. A share `failure_fraction` of them (drawn
     from `seed`) shows a failing call, its real error response and the recovery
-    (`recovery_messages`), so that both roles see what a failure looks like."""
+    (`recovery_messages`), so that both roles see what a failure looks like. Another share
+    `unfinished_fraction` (drawn independently) stops one call short (`unfinished_messages`):
+    demonstrations logged from an imperfect agent, whose mistake RL can find and undo."""
     # Imported here: the environment itself needs no tokenizer machinery.
     from envace_jax.text.trajectory import encode_conversation
 
@@ -128,7 +141,9 @@ def demonstrations(
     for i, t in enumerate(tasks):
         rng = random.Random(f"{seed}-{i}-recovery")
         messages = None
-        if rng.random() < failure_fraction:
+        if random.Random(f"{seed}-{i}-unfinished").random() < unfinished_fraction:
+            messages = unfinished_messages(t, env)
+        elif rng.random() < failure_fraction:
             messages = recovery_messages(t, rng, env)
         messages = messages or oracle_messages(t, env)
         out.append(encode_conversation(tokenizer, messages, t.template_tools, rehearse=True))
