@@ -45,7 +45,7 @@ def demo():
     config.rollout.top_p = 0.95
     config.grpo.use_kl = True  # k3 KL to the warm start keeps the solved families solved
     config.grpo.kl_coef = 1e-3
-    config.schedule.rl_steps = 10  # with two held-out evaluations, the job fits 15 minutes
+    config.schedule.rl_steps = 8  # with two held-out evaluations, the job fits 15 minutes
     # Held-out evaluation at the warm start and at the end only: each is five runs over the
     # tasks (greedy and avg@4).
     config.schedule.eval_every = 0
