@@ -45,6 +45,7 @@ def _runs(setup, key, sampling):
     return np.asarray([r.success for r in results], float)
 
 
+@pytest.mark.slow  # five sampled evaluations of a random Qwen3 over the demo tasks
 def test_avg4_is_the_mean_of_four_seeded_sampled_evaluations(setup):
     tok, config, mesh, sampler, tasks = setup
     key = jax.random.key(11)
@@ -70,6 +71,7 @@ def test_avg4_is_the_mean_of_four_seeded_sampled_evaluations(setup):
     assert total == pytest.approx(ev.success_avg4)
 
 
+@pytest.mark.slow  # greedy and eight samples per task
 def test_headroom_pass_at_k_bounds(setup):
     tok, config, mesh, sampler, tasks = setup
     key = jax.random.key(3)

@@ -59,6 +59,7 @@ def test_modes_are_the_configuration_modes():
         mode_spec("nope")
 
 
+@pytest.mark.slow  # two decoders compiled into one sampler
 def test_role_decoders_sample_each_role_from_its_own_parameters():
     """In the compiled rehearsal loop, every ACT token is sampled from the ACT decoder and every
     REHEARSE token from the REHEARSE decoder: the loop's log-probs equal a cache-less forward of
@@ -108,6 +109,7 @@ def test_role_decoders_sample_each_role_from_its_own_parameters():
         assert np.abs(out.logprobs[m] - other[m]).max() > 0.5  # the decoders differ
 
 
+@pytest.mark.slow  # two decoders compiled into one sampler
 def test_role_decoders_follow_the_demo_chat_layout():
     """Fed a demonstration the way the loop feeds tokens (prefill, then one token at a time,
     re-feeding the prompt's last), the wrapper gives each next token the logits of the decoder

@@ -403,6 +403,7 @@ def loaded_random_qwen3(tmp_path_factory, tok):
     return model, nnx.state(model, nnx.Param)
 
 
+@pytest.mark.slow  # rehearsal, memory and committed run of a loaded model, three times
 @pytest.mark.parametrize(
     "memory,assessor", [("structured", "rules"), ("summary", "policy"), ("structured", "policy")]
 )
