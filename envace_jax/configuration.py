@@ -25,6 +25,7 @@ from envace_jax.rl.config import GRPOConfig, OptimConfig, SFTConfig, chunking_pr
 # Training modes (envace_jax.rollout.modes): 'envace' = shared-parameter world rehearsal; the
 # baselines 'envace_noshare', 'grpo_real_env', 'external_simulator' and 'sft_only'.
 MODES = ("envace", "envace_noshare", "grpo_real_env", "external_simulator", "sft_only")
+REHEARSAL_VIEWS = ("shared", "grounded")  # rollout.rehearsal_view (DESIGN: two views)
 
 
 JOBS = ("train", "rehearsal_eval", "headroom")  # What envace_jax.main runs (envace_jax.jobs).
@@ -76,6 +77,10 @@ class DataSection(Section):
     # Warm-start demonstrations that stop one call short and reply as if done: an imperfect
     # demonstrator, whose mistake the warm start learns and RL can undo.
     unfinished_demos: float = knob(0.0, number(0.0, 1.0))
+    # Share of the training tasks whose demonstration also gives the warm start one simulator
+    # row per tool turn (`rollout.grounded`): the prompt of the grounded rehearsal view, the
+    # environment's real responses as its REHEARSE target.
+    simulator_demos: float = knob(0.0, number(0.0, 1.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +98,11 @@ class RolloutSection(Section):
     length_buckets: tuple[int, ...] = knob(  # Train lengths.
         (256, 384, 512, 640, 768, 1024, 1536, 2048), knobs.positive_ints()
     )
+    # Who writes world rehearsal's tool responses, and from what (mode 'envace'): 'shared', the
+    # policy in the trajectory's own sequence (the paper's formulation); 'grounded', the policy
+    # from a simulator prompt with the task's logged tool responses (the reference's Tool
+    # Simulator, `rollout.grounded`).
+    rehearsal_view: str = knob("shared", one_of(*REHEARSAL_VIEWS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +219,11 @@ class JobConfig(Section):
         # that does not divide would otherwise fail at the first step of its phase, after the
         # work before it (a whole warm start, for the RL step).
         r = self.rollout
+        if r.rehearsal_view == "grounded" and self.mode in ("envace_noshare", "external_simulator"):
+            raise ValueError(
+                f"rollout.rehearsal_view = 'grounded' is for mode 'envace' (and the modes "
+                f"without rehearsal), not {self.mode!r}"
+            )
         batches = (
             (self.sft, self.schedule.sft_batch_size, "schedule.sft_batch_size"),
             (self.grpo, r.group_size * r.tasks_per_step, "rollout.group_size x tasks_per_step"),

@@ -32,7 +32,7 @@ from envace_jax.rollout.real_env import (
     real_env_rollouts,
     rehearsal_fidelity,
 )
-from envace_jax.rollout.world_rehearsal import GroupSampling, rehearsal_rollouts
+from envace_jax.rollout.world_rehearsal import GroupSampling
 from envace_jax.sampling.distributions import SamplingParams
 
 AVG_SAMPLES = 4  # Sampled executions per task of the avg@4 score.
@@ -173,7 +173,7 @@ def committed_runs(
 
 def evaluate(
     host_sampler,
-    rehearse_sampler,
+    rehearse: Callable[..., Any],
     tokenizer,
     tasks: Sequence[Any],
     make_env: Callable[[], Any],
@@ -182,7 +182,9 @@ def evaluate(
     length_buckets: Sequence[int],
     key: jax.Array,
 ) -> EvalResult:
-    """The protocol of the module docstring. The samplers hold the params to evaluate."""
+    """The protocol of the module docstring. `host_sampler` holds the ACT params to evaluate;
+    `rehearse(tasks, group, layout=)` gives world-rehearsal episodes by whoever rehearses (a
+    `RolloutBatch`), for fidelity."""
     mine = my_tasks(mesh, tasks)
     sampled = SamplingParams(temperature=eval_cfg.temperature, top_p=eval_cfg.top_p)
     runs = Executions(host_sampler, tokenizer, tasks, make_env, mesh, eval_cfg.max_new_tokens)
@@ -203,7 +205,7 @@ def evaluate(
             length_buckets=length_buckets,
         )
         layout = parallel.row_layout(mesh, len(fid_tasks))
-        rb = rehearsal_rollouts(rehearse_sampler, tokenizer, fid_tasks, group, layout=layout)
+        rb = rehearse(fid_tasks, group, layout=layout)
         share, compared = rehearsal_fidelity(rb.episodes, rb.tasks, make_env)
         matched, compared = parallel.process_sum([share * compared, compared])
         fidelity = float(matched / compared) if compared else 0.0

@@ -18,8 +18,9 @@ CURVES = [
 OUTPUTS = "metrics.jsonl, tensorboard/, curves.png, summary.md, summary.json, checkpoints/, export/"
 
 
-def summary_record(ev: EvalResult) -> dict[str, float]:
-    """The headline numbers of one evaluation, as summary.json keeps them."""
+def summary_record(ev: EvalResult, env_calls_rl: int) -> dict[str, float]:
+    """The headline numbers of one evaluation, as summary.json keeps them, with the real
+    environment calls that RL made before it."""
     return {
         "success_greedy": ev.success,
         "success_greedy_se": ev.success_se,
@@ -27,6 +28,7 @@ def summary_record(ev: EvalResult) -> dict[str, float]:
         "success_avg4_se": ev.success_avg4_se,
         "reward": ev.reward,
         "fidelity": ev.fidelity,
+        "env_calls_rl": env_calls_rl,
     }
 
 
@@ -75,12 +77,16 @@ def write_report(
 ) -> None:
     """Writes the curves and the summary of a finished train job, and prints the summary;
     `trained` names the final evaluation's row."""
-    plot_curves(read_metrics(metrics_path), os.path.join(workdir, "curves.png"), CURVES)
+    metrics = read_metrics(metrics_path)
+    plot_curves(metrics, os.path.join(workdir, "curves.png"), CURVES)
+    env_calls = int(sum(m.get("env_calls", 0) for m in metrics if m.get("phase") == "rl"))
     summary = summary_tables(warm, final, trained, tasks)
+    summary += f"\n\nReal-environment calls during RL: {env_calls}"
     summary_json = {
         "tasks": len(tasks),
         "mode": mode,
-        **{name: summary_record(ev) for name, ev in (("warm_start", warm), ("final", final))},
+        "warm_start": summary_record(warm, 0),
+        "final": summary_record(final, env_calls),
     }
     with open(os.path.join(workdir, "summary.md"), "w") as f:
         f.write(summary + "\n")

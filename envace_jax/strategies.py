@@ -6,13 +6,15 @@ step updates it, who plays each role when sampling, where the RL batch comes fro
 exported. The loop asks; it never branches on the mode.
 
     SharedPolicy   'envace': one parameter set plays ACT and REHEARSE (the base of the others)
+    GroundedPolicy 'envace' with rollout.rehearsal_view 'grounded': REHEARSE answers each call
+                   from a simulator prompt of its own (`rollout.grounded`)
     WarmStartOnly  'sft_only': no RL phase
     RealEnvPolicy  'grpo_real_env': RL rollouts are host turns in the real environment
     RolePolicies   'envace_noshare' (each role its own trained set), 'external_simulator'
                    (REHEARSE by a frozen copy of the warm start)
 
-Another way to produce REHEARSE messages (e.g. a rehearser that answers each call from its
-own prompt) is another subclass overriding `rollouts`, registered in `STRATEGIES`.
+Another way to produce REHEARSE messages is another subclass overriding `rollouts` and
+`rehearsals`, chosen in `strategy`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from flax import nnx, struct
 
 from envace_jax import parallel
 from envace_jax.rl.steps import TrainState, frozen_copy, init_train_state
+from envace_jax.rollout.grounded import grounded_rollouts
 from envace_jax.rollout.modes import MODE_SPECS, ModeSpec, mode_spec, real_env_group_rollouts
 from envace_jax.rollout.role_models import role_decoders, role_state
 from envace_jax.rollout.world_rehearsal import GroupSampling, RolloutBatch, rehearsal_rollouts
@@ -107,11 +110,16 @@ class SharedPolicy:
         """The rehearse sampler's params."""
         return params
 
-    def samplers(self, params: Any) -> tuple[Sampler, Sampler]:
-        """(host, rehearse) samplers holding `params`'s ACT and REHEARSE players."""
+    def host(self, params: Any) -> Sampler:
+        """The host-turn sampler holding `params`'s ACT player."""
         self.host_sampler.set_params(self.act_params(params))
+        return self.host_sampler
+
+    def rehearsals(self, params: Any) -> Callable[..., RolloutBatch]:
+        """`(tasks, group, layout=) -> RolloutBatch`: world-rehearsal episodes by `params`'s
+        players in this mode's view (what fidelity is measured on)."""
         self.rehearse_sampler.set_params(self.rehearsal_params(params))
-        return self.host_sampler, self.rehearse_sampler
+        return functools.partial(rehearsal_rollouts, self.rehearse_sampler, self.setup.tokenizer)
 
     def rollouts(self, params, tasks: Sequence[Any], key, sampling: SamplingParams) -> RolloutBatch:
         """The RL step's judged batch for `tasks` (`rollout.group_size` trajectories each)."""
@@ -135,6 +143,30 @@ class SharedPolicy:
     def exports(self, params: Any) -> dict[str, Any]:
         """Params to export by directory name: export/ holds the acting policy."""
         return {"export": self.act_params(params)}
+
+
+class GroundedPolicy(SharedPolicy):
+    """'envace', grounded view: the policy's host-turn sampler acts, and answers every call from
+    a simulator prompt with the task's logged responses; the answers train as REHEARSE rows."""
+
+    def rollouts(self, params, tasks: Sequence[Any], key, sampling: SamplingParams) -> RolloutBatch:
+        return self.rehearsals(params)(tasks, self._group(key, sampling))
+
+    def rehearsals(self, params: Any) -> Callable[..., RolloutBatch]:
+        """Grounded rehearsal by `params` (built whole on every process: `layout` is unused)."""
+        sampler = self.host(params)
+
+        def rehearse(tasks, group: GroupSampling, layout=None) -> RolloutBatch:
+            del layout
+            return grounded_rollouts(
+                sampler,
+                self.setup.tokenizer,
+                tasks,
+                group,
+                max_message_tokens=self.setup.rollout.max_message_tokens,
+            )
+
+        return rehearse
 
 
 class WarmStartOnly(SharedPolicy):
@@ -231,5 +263,9 @@ assert set(STRATEGIES) == set(MODE_SPECS), "every mode needs a strategy"
 
 
 def strategy(mode: str, setup: RolloutSetup) -> SharedPolicy:
-    """The strategy of `config.mode` (ValueError naming the key for an unknown mode)."""
-    return STRATEGIES[mode_spec(mode).name](mode_spec(mode), setup)
+    """The strategy of `config.mode` and `config.rollout.rehearsal_view` (ValueError naming the
+    key for an unknown mode)."""
+    spec = mode_spec(mode)
+    if spec.name == "envace" and setup.rollout.rehearsal_view == "grounded":
+        return GroundedPolicy(spec, setup)
+    return STRATEGIES[spec.name](spec, setup)

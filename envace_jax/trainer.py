@@ -48,6 +48,7 @@ from envace_jax.build import build_mesh, build_model, build_tokenizer
 from envace_jax.configuration import step_configs
 from envace_jax.data.stream import TaskStream, length_grouped_batch
 from envace_jax.diagnostics import build_copy_probe, copy_metrics
+from envace_jax.envs.base import CallCounter
 from envace_jax.envs.registry import domain
 from envace_jax.evaluation import EvalResult
 from envace_jax.metrics import MetricsWriter, Progress, truncate_metrics
@@ -134,7 +135,9 @@ class Trainer:
         self.sft_step = make_sft_step(
             self.model, self.sft_tx, self.steps_cfg["sft"], shardings=self.sft_shardings
         )
-        setup = RolloutSetup(self.model, self.tokenizer, self.domain.make_env, r, self.rl_layout)
+        # RL's environment calls are counted: world rehearsal makes none.
+        self.rl_envs = CallCounter(self.domain.make_env)
+        setup = RolloutSetup(self.model, self.tokenizer, self.rl_envs, r, self.rl_layout)
         self.mode = strategy(config.mode, setup)
         self.sft_steps = s.sft_steps
         self.rl_steps = s.rl_steps if self.mode.has_rl else 0
@@ -206,11 +209,12 @@ class Trainer:
         )
 
     def _global_batch(self, batch, layout: parallel.RowLayout, shardings):
-        """The step's global batch from host rows: this process's rows (`layout.rows`), or every
-        row when a rollout mode builds the whole batch on every process."""
-        if batch.shape[0] == layout.size:
-            return shard_batch(batch, shardings)
-        return jax.tree.map(layout.to_global, batch)
+        """The step's global batch from host rows: this process's rows (`layout.rows`) of a
+        multi-process run, or else a whole batch that every process built (of any row count: a
+        grounded batch adds simulator rows)."""
+        if batch.shape[0] == len(layout.rows) != layout.size:
+            return jax.tree.map(layout.to_global, batch)
+        return shard_batch(batch, shardings)
 
     def sft_batch(self, indices: list[int]):
         """The warm-start batch of demonstrations `indices`; this process builds its rows only."""
@@ -282,10 +286,9 @@ class Trainer:
         """Committed execution of `tasks` in the real environment by the ACT params (greedy and
         avg@4, `envace_jax.evaluation`), and the fidelity of the REHEARSE player (whoever
         rehearses in this mode)."""
-        host, rehearse = self.mode.samplers(params)
         return evaluation.evaluate(
-            host,
-            rehearse,
+            self.mode.host(params),
+            self.mode.rehearsals(params),
             self.tokenizer,
             tasks,
             self.domain.make_env,
@@ -314,7 +317,7 @@ class Trainer:
         for rl_step in range(rl_start + 1, self.rl_steps + 1):
             self.run_dir.checkpointer.check()  # a failed background save stops the run here
             g = self.sft_steps + rl_step
-            t0 = time.time()
+            t0, calls = time.time(), self.rl_envs.calls
             tasks = [self.train_tasks[i] for i in stream.next_indices(r.tasks_per_step)]
             rb = self.rollouts(state.params, tasks, jax.random.fold_in(self.key, g), sampling)
             t1 = time.time()
@@ -324,6 +327,7 @@ class Trainer:
             check_finite(m, "RL", g, last_good)
             m.update({f"rollout_{k}": v for k, v in rb.stats.items()})
             m.update(rollout_s=t1 - t0, update_s=time.time() - t1)
+            m["env_calls"] = self.rl_envs.calls - calls
             self.writer.write(rl_step, "rl", m, global_step=g)
             progress.update(rl_step, reward=rb.stats["reward"], loss=m["loss"])
             if s.eval_every and rl_step % s.eval_every == 0 and rl_step < self.rl_steps:

@@ -5,22 +5,27 @@ EncodedConversation`): the agent's messages as ACT targets and the real environm
 as REHEARSE targets. A share `data.failure_demos` shows a failing call and its recovery (the
 domain's `demonstrations`); for a share `rehearsal.sft_memory_fraction` of the tasks the prompt
 also carries a rehearsal memory (exact, or partly wrong so that the policy learns to check it;
-`rollout.memory`), which test-time rehearsal gives the committed run.
+`rollout.memory`), which test-time rehearsal gives the committed run. A share
+`data.simulator_demos` also gives one simulator row per tool turn: the grounded rehearsal
+view's prompt with the real response as the target (`rollout.grounded`).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import numpy as np
 
 from envace_jax.envs.registry import Domain
 from envace_jax.rl.batch import from_numpy
+from envace_jax.rollout.grounded import simulator_demonstrations
 from envace_jax.rollout.memory import memory_demonstrations
 
 
 def demonstrations(config, domain: Domain, tasks: Sequence, tokenizer) -> list:
-    """One encoded demonstration per task (see the module docstring)."""
+    """One encoded demonstration per task (see the module docstring), then the simulator rows
+    of a share `data.simulator_demos` of them (`rollout.grounded`)."""
     demos = domain.demonstrations(
         tasks,
         tokenizer,
@@ -34,6 +39,16 @@ def demonstrations(config, domain: Domain, tasks: Sequence, tokenizer) -> list:
             tasks, tokenizer, domain.make_env, fraction=fraction, seed=config.seed
         )
         demos = [with_memory.get(i, d) for i, d in enumerate(demos)]
+    if config.data.simulator_demos > 0:
+        share = config.data.simulator_demos
+        chosen = [
+            i
+            for i in range(len(tasks))
+            if random.Random(f"{config.seed}-{i}-simulator").random() < share
+        ]
+        demos += simulator_demonstrations(
+            tokenizer, [tasks[i] for i in chosen], [demos[i] for i in chosen]
+        )
     return demos
 
 

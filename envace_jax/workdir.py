@@ -39,7 +39,9 @@ ARCH_KEYS = ("tokenizer", "model")  # what makes a run's params load into this c
 # phase and the held-out tasks only).
 WARM_START_KEYS = (*ARCH_KEYS, "data", "sft", "sft_optim")
 WARM_START_KEYS += ("schedule.sft_steps", "schedule.sft_batch_size")
-EVAL_KEYS = ("seed", "eval")  # what makes two evaluations of the same params the same
+# What makes two evaluations of the same params the same (fidelity is measured in the run's
+# rehearsal view).
+EVAL_KEYS = ("seed", "eval", "rollout.rehearsal_view")
 
 
 def config_json(config: ml_collections.ConfigDict) -> dict[str, Any]:

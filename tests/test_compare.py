@@ -9,7 +9,6 @@ import sys
 import numpy as np
 import pytest
 
-from envace_jax.configuration import MODES
 from envace_jax.experiments import compare, verdicts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +18,7 @@ def test_plan_runs_every_mode_and_seed_with_the_warm_start_first():
     runs = compare.plan(3)
     main, small = list(verdicts.SIZES)
     assert {(m, s) for size, m, s in runs if size == main} == {
-        (m, s) for m in MODES for s in range(3)
+        (m, s) for m in verdicts.ARMS for s in range(3)
     }
     assert {m for size, m, _ in runs if size == small} == set(verdicts.SCALE_MODES)
     for size in verdicts.SIZES:
@@ -81,6 +80,17 @@ def test_summary_and_verdicts_against_hand_computed_numbers():
     floor = [_result(small, "sft_only", i, 0.0) for i in range(3)]
     judged = dict((c, v) for c, _, v in verdicts.claims(verdicts.summarize(results + floor)))
     assert judged["the gain of world rehearsal grows with model size"].startswith("not testable")
+    # Grounded rehearsal: its gain over sft_only (0.4, 0.5, 0.6) against 0.7 x real-env GRPO's
+    # (0.0, 0.2, 0.1): per seed 0.4, 0.36, 0.53, mean 0.43, std 0.0874, s.e. 0.0504.
+    grounded = [_result(main, "envace_grounded", i, v) for i, v in enumerate((0.5, 0.6, 0.7))]
+    judged = {c: (m, v) for c, m, v in verdicts.claims(verdicts.summarize(results + grounded))}
+    m, v = judged["grounded rehearsal gains at least 0.7 x what RL in the real environment gains"]
+    per_seed = np.asarray([0.4 - 0.0, 0.5 - 0.14, 0.6 - 0.07])
+    assert v == "supported" and f"{per_seed.mean():+.3f}" in m and "ratio 5.00" in m
+    assert f"(s.e. {per_seed.std(ddof=1) / np.sqrt(3):.3f})" in m
+    # Grounded vs shared: (0.5, 0.6, 0.7) - (0.5, 0.6, 0.7) = 0.
+    assert judged["grounded rehearsal beats shared rehearsal"][1] == "not resolved"
+    assert judged["RL by grounded world rehearsal improves on the warm start"][1] == "supported"
     # Different seeds: nothing to pair, the two means' errors add.
     unpaired = dict(summary[(main, "grpo_real_env")], success_by_seed={5: 0.1, 6: 0.3, 7: 0.2})
     d, se, _ = verdicts.compare_means(summary[(main, "envace")], unpaired)
@@ -114,7 +124,7 @@ def test_compare_end_to_end_on_the_smoke_config(tmp_path):
     with open(tmp_path / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(compare.plan(1))
-    assert {r["mode"] for r in rows} == set(MODES)
+    assert {r["mode"] for r in rows} == set(verdicts.ARMS)
     for row in rows:
         assert int(row["rl_steps"]) == (0 if row["mode"] == "sft_only" else 1)
     md = (tmp_path / "results.md").read_text()

@@ -4,6 +4,7 @@ at the configured temperature and top_p, the standard errors follow the binomial
 (greedy) and the per-task one (avg@4), and the headroom scores agree with the runs they
 summarise."""
 
+import functools
 import math
 
 import jax
@@ -14,6 +15,7 @@ from envace_jax.build import build_mesh, build_model
 from envace_jax.configuration import base_config
 from envace_jax.envs.demo import DemoEnv, generate_tasks
 from envace_jax.evaluation import AVG_SAMPLES, committed_runs, evaluate, headroom
+from envace_jax.rollout.world_rehearsal import rehearsal_rollouts
 from envace_jax.sampling.chat_spec import turn_spec
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.sampler import Sampler
@@ -49,7 +51,8 @@ def _runs(setup, key, sampling):
 def test_avg4_is_the_mean_of_four_seeded_sampled_evaluations(setup):
     tok, config, mesh, sampler, tasks = setup
     key = jax.random.key(11)
-    ev = evaluate(sampler, sampler, tok, tasks, DemoEnv, mesh, config.eval, (256, 512), key)
+    rehearse = functools.partial(rehearsal_rollouts, sampler, tok)
+    ev = evaluate(sampler, rehearse, tok, tasks, DemoEnv, mesh, config.eval, (256, 512), key)
     sampling = SamplingParams(temperature=0.6, top_p=0.95)
     assert (config.eval.temperature, config.eval.top_p) == (0.6, 0.95)  # the reference's
     per_seed = [_runs(setup, jax.random.fold_in(key, 1 + s), sampling) for s in range(4)]

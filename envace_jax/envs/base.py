@@ -134,3 +134,24 @@ def observed_values(result: Any) -> list[Any]:
         elif isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)):
             out.append(v)
     return out
+
+
+class CallCounter:
+    """An environment factory that counts the tool calls its environments execute: wraps a
+    domain's `make_env` wherever calls must be accounted for (RL in world rehearsal makes
+    none)."""
+
+    def __init__(self, make_env):
+        self.make_env = make_env
+        self.calls = 0
+
+    def __call__(self):
+        env = self.make_env()
+        step = env.step
+
+        def counted(calls):
+            self.calls += len(calls)
+            return step(calls)
+
+        env.step = counted
+        return env

@@ -5,7 +5,8 @@
     python -m envace_jax.experiments.compare --workdir DIR --set rollout.group_size=8  # any key
     python -m envace_jax.experiments.compare --workdir DIR --modes sft_only,grpo_real_env
 
-Every training mode (`rollout.modes`, or those `--modes` names) x 3 seeds, with the same budget,
+Every arm (`verdicts.ARMS`: a training mode, in each rehearsal view where it rehearses; or
+those `--modes` names) x 3 seeds, with the same budget,
 on the main policy size; with a second `--presets` entry, a model-scale study: the modes that
 carry the scaling claim, on a smaller policy. Every run is evaluated the same way (greedy and
 avg@4 on 256 held-out tasks, `envace_jax.evaluation`), and claims are judged on avg@4. Writes
@@ -36,8 +37,9 @@ from typing import Any
 import ml_collections
 from absl import app, flags, logging
 
-from envace_jax.configuration import MODES, validate
+from envace_jax.configuration import validate
 from envace_jax.experiments.verdicts import (
+    ARMS,
     SCALE_MODES,
     SIZES,
     claims,
@@ -97,7 +99,7 @@ _PRESETS = flags.DEFINE_list(
     [SIZES["main"]],
     "Model presets: the main comparison's, then optionally a smaller one for the scale study.",
 )
-_MODES = flags.DEFINE_list("modes", list(MODES), "Training modes of the main comparison.")
+_MODES = flags.DEFINE_list("modes", list(ARMS), "Arms (verdicts.ARMS) of the main comparison.")
 
 
 # ---------------------------------------------------------------------------------- configs
@@ -140,12 +142,15 @@ def apply(config: ml_collections.ConfigDict, overrides: dict[str, Any]) -> None:
 
 
 def run_config(base, overrides: dict[str, Any], preset: str, mode: str, seed: int, warm: str):
+    """The config of one run: `mode` is an arm (`verdicts.ARMS`)."""
     config = ml_collections.ConfigDict(base.to_dict())
     apply(config, overrides)
     if preset != config.model.preset:  # another size: random init (a shipped base is one size)
         config.model.hf_path = ""
     config.model.preset = preset
-    config.mode = mode
+    config.mode, view = ARMS[mode]
+    if view:
+        config.rollout.rehearsal_view = view
     config.seed = seed
     config.schedule.warm_start_dir = warm
     return validate(config)
@@ -185,7 +190,7 @@ def run_one(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
 
 def plan(
-    seeds: int, sizes: dict[str, str] = SIZES, modes: tuple[str, ...] = MODES
+    seeds: int, sizes: dict[str, str] = SIZES, modes: tuple[str, ...] = tuple(ARMS)
 ) -> list[tuple[str, str, int]]:
     """(size, mode, seed) of every run, warm starts first within each size; the scale study
     (sizes after the first) runs the `SCALE_MODES` among `modes`."""
@@ -198,7 +203,7 @@ def plan(
 
 
 def run_all(
-    base, overrides, root: str, seeds: int, sizes=SIZES, modes=MODES
+    base, overrides, root: str, seeds: int, sizes=SIZES, modes=tuple(ARMS)
 ) -> list[dict[str, Any]]:
     runs = plan(seeds, sizes, modes)
     results = []
@@ -244,9 +249,9 @@ def main(argv):
         if len(_PRESETS.value) not in (1, 2):
             raise ValueError(f"--presets: expected one or two model presets, got {_PRESETS.value}")
         sizes = dict(zip(SIZES, _PRESETS.value, strict=False))
-        unknown = [m for m in _MODES.value if m not in MODES]
+        unknown = [m for m in _MODES.value if m not in ARMS]
         if unknown:
-            raise ValueError(f"--modes: unknown mode(s) {unknown}; known: {', '.join(MODES)}")
+            raise ValueError(f"--modes: unknown arm(s) {unknown}; known: {', '.join(ARMS)}")
         base = load_config(_CONFIG.value)
         overrides = {**BUDGETS[budget], **_COMMON, **parse_overrides(_SET.value)}
         for preset in sizes.values():  # fail fast on a bad key or value

@@ -11,8 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from envace_jax.configuration import MODES
-
 # Policy sizes of the scale study: name -> model preset. The first is the main comparison's; it
 # keeps the config's model (the demo's starts from the shipped demo base), other sizes start
 # from random init.
@@ -20,15 +18,24 @@ SIZES = {"main": "demo-qwen3", "small": "tiny-qwen3"}
 # Modes run at the other sizes: the scaling claim compares EnvACE with its warm start and with
 # standard RL in the real environment.
 SCALE_MODES = ("sft_only", "envace", "grpo_real_env")
+# The comparison's arms: name -> (training mode, rehearsal view where the mode rehearses).
+ARMS = {
+    "sft_only": ("sft_only", None),
+    "envace": ("envace", "shared"),
+    "envace_grounded": ("envace", "grounded"),
+    "envace_noshare": ("envace_noshare", "shared"),
+    "external_simulator": ("external_simulator", "shared"),
+    "grpo_real_env": ("grpo_real_env", None),
+}
 # Held-out scores of each run (`envace_jax.evaluation`): success greedy and avg@4, and the rest.
 METRICS = ("success", "success_avg4", "reward", "fidelity", "tool_error_rate", "invalid_rate")
 
 
 def summarize(results: list[dict[str, Any]], sizes=SIZES) -> dict[tuple[str, str], dict]:
-    """(size, mode) -> mean and std (over seeds) of each metric, and totals."""
+    """(size, arm) -> mean and std (over seeds) of each metric, and totals."""
     out = {}
     for size in sizes:
-        for mode in MODES:
+        for mode in ARMS:
             rs = [r for r in results if r["size"] == size and r["mode"] == mode]
             if not rs:
                 continue
@@ -85,6 +92,17 @@ def claims(summary, sizes=SIZES) -> list[tuple[str, str, str]]:
         ),
         ("sharing parameters between the roles helps", "envace", "envace_noshare"),
         ("RL by world rehearsal improves on the warm start", "envace", "sft_only"),
+        (
+            "RL by grounded world rehearsal improves on the warm start",
+            "envace_grounded",
+            "sft_only",
+        ),
+        ("grounded rehearsal beats shared rehearsal", "envace_grounded", "envace"),
+        (
+            "grounded rehearsal beats training against an external simulator",
+            "envace_grounded",
+            "external_simulator",
+        ),
     ]
     for claim, a, b in pairs:
         if get(main, a) and get(main, b):
@@ -92,6 +110,9 @@ def claims(summary, sizes=SIZES) -> list[tuple[str, str, str]]:
             dg, seg, _ = compare_means(get(main, a), get(main, b), "success")
             text = f"{a} - {b}: avg@4 {d:+.3f} (s.e. {se:.3f}), greedy {dg:+.3f} (s.e. {seg:.3f})"
             out.append((claim, text, v))
+    grounded, real, warm = (get(main, a) for a in ("envace_grounded", "grpo_real_env", "sft_only"))
+    if grounded and real and warm:
+        out.append(_gain_share(grounded, real, warm, 0.7))
     gains = {}
     for size in (main, small) if small else (main,):
         if get(size, "envace") and get(size, "grpo_real_env"):
@@ -120,6 +141,38 @@ def claims(summary, sizes=SIZES) -> list[tuple[str, str, str]]:
     return out
 
 
+def _gain_share(a: dict, b: dict, base: dict, share: float) -> tuple[str, str, str]:
+    """Whether arm `a`'s avg@4 gain over `base` is at least `share` x arm `b`'s: judged on
+    (a - base) - share (b - base) = (a - share b) - (1 - share) base, seed by seed."""
+    key = "success_avg4"
+    weights = (1.0, -share, share - 1.0)
+    mixed = {
+        "n": a["n"],
+        key: sum(w * x[key] for w, x in zip(weights, (a, b, base), strict=True)),
+        key + "_std": math.sqrt(
+            sum((w * x[key + "_std"]) ** 2 for w, x in zip(weights, (a, b, base), strict=True))
+        ),
+    }
+    by_seed = [x.get(key + "_by_seed") or {} for x in (a, b, base)]
+    seeds = set(by_seed[0]) & set(by_seed[1]) & set(by_seed[2])
+    mixed[key + "_by_seed"] = {
+        s: sum(w * x[s] for w, x in zip(weights, by_seed, strict=True)) for s in seeds
+    }
+    zero = {"n": a["n"], key: 0.0, key + "_std": 0.0, key + "_by_seed": dict.fromkeys(seeds, 0.0)}
+    d, se, v = compare_means(mixed, zero, key)
+    ga, gb = a[key] - base[key], b[key] - base[key]
+    ratio = f"{ga / gb:.2f}" if gb else "undefined"
+    text = (
+        f"gains over sft_only: envace_grounded {ga:+.3f}, grpo_real_env {gb:+.3f} (ratio "
+        f"{ratio}); gain - {share} x gain {d:+.3f} (s.e. {se:.3f})"
+    )
+    return (
+        f"grounded rehearsal gains at least {share} x what RL in the real environment gains",
+        text,
+        v,
+    )
+
+
 def _pm(s: dict, k: str) -> str:
     return f"{s[k]:.3f} ± {s[k + '_std']:.3f}"
 
@@ -143,7 +196,7 @@ def results_markdown(
         f"| {mode} | {_pm(s, 'success_avg4')} | {_pm(s, 'success')} | {_pm(s, 'reward')} | "
         f"{_pm(s, 'fidelity')} | {_pm(s, 'tool_error_rate')} | "
         f"{_pm(s, 'invalid_rate')} | {s['rl_tokens']:,.0f} | {s['rl_seconds']:.0f} |"
-        for mode, s in _results(summary, main, MODES)
+        for mode, s in _results(summary, main, ARMS)
     ]
     params = summary[(main, "sft_only")]["params"] if (main, "sft_only") in summary else 0
     parts = [
@@ -207,7 +260,7 @@ def plot(path: str, summary, results, sizes=SIZES) -> None:
 
     main = next(iter(sizes))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    modes = [m for m in MODES if (main, m) in summary]
+    modes = [m for m in ARMS if (main, m) in summary]
     for ax, key in zip(axes[:2], ("success_avg4", "success"), strict=True):
         means = [summary[(main, m)][key] for m in modes]
         stds = [summary[(main, m)][key + "_std"] for m in modes]

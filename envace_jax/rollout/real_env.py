@@ -44,7 +44,7 @@ class RealEpisode:
     env_state: dict
 
 
-def _last_act_text(tokenizer, state, b: int) -> str:
+def last_act_text(tokenizer, state, b: int) -> str:
     n = int(state.length[b])
     segs = np.asarray(state.segments[b, :n])
     roles = np.asarray(state.roles[b, :n])
@@ -98,7 +98,7 @@ def real_env_rollouts(
         obs: list[list[int] | None] = [None] * len(tasks)
         invalid = []
         for b in waiting:
-            action = parse_tool_calls(_last_act_text(tokenizer, rows, b), tasks[b].tools)
+            action = parse_tool_calls(last_act_text(tokenizer, rows, b), tasks[b].tools)
             if action.error is not None or not action.calls:
                 invalid.append(b)
                 continue
