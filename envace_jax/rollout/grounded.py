@@ -165,47 +165,43 @@ def simulator_row(tokenizer, task, history, calls, responses) -> EncodedConversa
 
 
 class _Answers:
-    """The simulator rows of one rollout batch, as sampled (tokens, log-probs, lengths)."""
+    """The simulator rows of one rollout batch: each sampled row cut after its answer (the
+    simulator's first message), with the answer's mask and log-probs, and the episode it
+    answered for."""
 
     def __init__(self):
-        self.tokens, self.logprobs, self.lengths, self.owner = [], [], [], []
+        self.rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # tokens, answer, logp
+        self.owner: list[int] = []
 
     def add(self, out, i: int, owner: int) -> None:
         n = int(out.lengths[i])
-        self.tokens.append(np.asarray(out.tokens[i, :n]))
-        self.logprobs.append(np.asarray(out.logprobs[i, :n]))
-        roles = np.asarray(out.roles[i, :n])
-        segs = np.asarray(out.segments[i, :n])
-        keep = (segs == 1) & (roles == Role.ACT)  # the answer: the simulator's first message
-        self.lengths.append((keep, n))
+        answer = (np.asarray(out.segments[i, :n]) == 1) & (np.asarray(out.roles[i, :n]) == Role.ACT)
+        end = int(np.flatnonzero(answer).max(initial=-1)) + 1
+        logp = np.where(answer, np.asarray(out.logprobs[i, :n]), 0.0)
+        self.rows.append((np.asarray(out.tokens[i, :end]), answer[:end], logp[:end]))
         self.owner.append(owner)
 
     def batch(self, pad_id, rewards, groups, rows: int, key, length_buckets) -> TrajectoryBatch:
-        """`rows` rows (a seeded subsample, or padding rows): tokens after the answer cut."""
-        order = np.arange(len(self.tokens))
+        """`rows` rows: a seeded subsample of the answers, or all of them and padding rows."""
+        order = np.arange(len(self.rows))
         if len(order) > rows:
-            order = np.sort(jax.random.permutation(key, len(order))[:rows])
-        ends = [int(np.flatnonzero(self.lengths[i][0]).max(initial=-1)) + 1 for i in order]
-        T = max(ends, default=1)
+            order = np.sort(np.asarray(jax.random.permutation(key, len(order))[:rows]))
+        T = max((len(self.rows[i][0]) for i in order), default=1)
         tokens = np.full((len(order), T), pad_id, np.int32)
-        roles = np.zeros((len(order), T), np.int8)
-        segments = np.zeros((len(order), T), np.int32)
+        answers = np.zeros((len(order), T), bool)
         logprobs = np.zeros((len(order), T), np.float32)
-        for j, (i, end) in enumerate(zip(order, ends, strict=True)):
-            keep = self.lengths[i][0][:end]
-            tokens[j, :end] = self.tokens[i][:end]
-            roles[j, :end] = np.where(keep, int(Role.REHEARSE), 0)
-            segments[j, :end] = keep.astype(np.int32)
-            logprobs[j, :end] = np.where(keep, self.logprobs[i][:end], 0.0)
+        for j, i in enumerate(order):
+            t, a, lp = self.rows[i]
+            tokens[j, : len(t)], answers[j, : len(t)], logprobs[j, : len(t)] = t, a, lp
         owners = np.asarray([self.owner[i] for i in order], np.int64)
         batch = from_numpy(
             tokens=tokens,
-            roles=roles,
-            segments=segments,
+            roles=np.where(answers, int(Role.REHEARSE), int(Role.CONTEXT)),
+            segments=answers.astype(np.int32),
             logprobs=logprobs,
-            lengths=ends,
-            group=groups[owners] if len(owners) else np.zeros(0),
-            reward=rewards[owners] if len(owners) else np.zeros(0),
+            lengths=[len(self.rows[i][0]) for i in order],
+            group=groups[owners],
+            reward=rewards[owners],
         )
         bucket = smallest_fitting_bucket(T, length_buckets)
         return pad_to_bucket(batch, (bucket,), batch_size=rows, pad_id=pad_id)
@@ -314,7 +310,7 @@ def grounded_rollouts(
     )
     lengths = np.asarray([ep.end for ep in episodes], np.int32)
     stats = rollout_stats(episodes, rewards, lengths)
-    stats["simulator_answers"] = float(len(answers.tokens))
+    stats["simulator_answers"] = float(len(answers.rows))
     return RolloutBatch(_stack(act, sim, tokenizer.pad_token_id), episodes, rows, stats)
 
 
