@@ -151,8 +151,14 @@ def build_episode(
     return ep
 
 
-def build_episodes(tokenizer, tasks: Sequence[Any], out) -> list[Episode]:
-    """Episodes of every row of a `sampling.loop.Trajectories`; row b belongs to tasks[b]."""
+def build_episodes(
+    tokenizer,
+    tasks: Sequence[Any],
+    out,
+    observations: Sequence[Sequence[Sequence[str]]] | None = None,
+) -> list[Episode]:
+    """Episodes of every row of a `sampling.loop.Trajectories`; row b belongs to tasks[b] (and,
+    for host-turn rows, got the responses `observations[b]`)."""
     return [
         build_episode(
             tokenizer,
@@ -162,6 +168,7 @@ def build_episodes(tokenizer, tasks: Sequence[Any], out) -> list[Episode]:
             out.segments[b],
             int(out.lengths[b]),
             int(out.status[b]),
+            observations=list(observations[b]) if observations is not None else None,
         )
         for b in range(len(tasks))
     ]

@@ -31,7 +31,7 @@ import numpy as np
 from envace_jax.envs.base import BAD_OBSERVATION, result_text, tool_error
 from envace_jax.rewards.rule_judge import judge
 from envace_jax.rl.batch import TrajectoryBatch, from_numpy, pad_to_bucket, smallest_fitting_bucket
-from envace_jax.rollout.episodes import build_episode
+from envace_jax.rollout.episodes import build_episodes
 from envace_jax.rollout.real_env import last_act_text
 from envace_jax.rollout.world_rehearsal import (
     GroupSampling,
@@ -277,24 +277,13 @@ def grounded_rollouts(
         if any(o is not None for o in obs):
             state = sampler.resume(state, obs, sampling=group.sampling)
     out = sampler.trajectories(state)
-    episodes = []
-    for b, task in enumerate(rows):
-        ep = build_episode(
-            tokenizer,
-            task,
-            out.tokens[b],
-            out.roles[b],
-            out.segments[b],
-            int(out.lengths[b]),
-            int(out.status[b]),
-            observations=list(observations[b]),
-        )
+    episodes = build_episodes(tokenizer, rows, out, observations)
+    for b, ep in enumerate(episodes):
         ep.rehearsed = [(i, r) for i, (_, r) in enumerate(history[b])]
         if b in broken and ep.status == Status.INVALID:
             error = result_text(tool_error(BAD_OBSERVATION, broken[b]))
             ep.messages.append({"role": "tool", "content": error})
             ep.invalid_reason = f"rehearsal: {broken[b]}"
-        episodes.append(ep)
     rewards = np.asarray(
         [judge(t, ep.messages).score for t, ep in zip(rows, episodes, strict=True)]
     )

@@ -25,7 +25,7 @@ import numpy as np
 from envace_jax import parallel
 from envace_jax.envs.base import error_code, is_call_error, result_text
 from envace_jax.rewards.rule_judge import judge
-from envace_jax.rollout.episodes import Episode, build_episode, response_matches
+from envace_jax.rollout.episodes import Episode, build_episodes, response_matches
 from envace_jax.rollout.world_rehearsal import task_prompts
 from envace_jax.sampling.chat_spec import observation_ids
 from envace_jax.sampling.distributions import SamplingParams
@@ -124,17 +124,8 @@ def real_env_rollouts(
 def _judged(tokenizer, tasks, out, envs, observations, call_errors, invalid_calls):
     """Each row's `RealEpisode`: its success in its environment and its checklist score."""
     results = []
-    for b, task in enumerate(tasks):
-        ep = build_episode(
-            tokenizer,
-            task,
-            out.tokens[b],
-            out.roles[b],
-            out.segments[b],
-            int(out.lengths[b]),
-            int(out.status[b]),
-            observations=observations[b],
-        )
+    episodes = build_episodes(tokenizer, tasks, out, observations)
+    for b, (task, ep) in enumerate(zip(tasks, episodes, strict=True)):
         # A call error (unknown tool, arguments off the schema) fails the episode, as the
         # checklist's semantics end it there; domain errors (not_found, ...) do not.
         ok = ep.status != Status.INVALID and ep.final_reply is not None and not invalid_calls[b]
