@@ -28,7 +28,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from envace_jax.envs.base import BAD_OBSERVATION, result_text, tool_error
+from envace_jax.envs.base import (
+    BAD_OBSERVATION,
+    error_code,
+    parse_result_text,
+    result_text,
+    tool_error,
+)
 from envace_jax.rewards.rule_judge import judge
 from envace_jax.rl.batch import TrajectoryBatch, from_numpy, pad_to_bucket, smallest_fitting_bucket
 from envace_jax.rollout.episodes import build_episodes
@@ -129,11 +135,7 @@ def simulated_responses(text: str, num_calls: int) -> tuple[list[str], str | Non
     responses = []
     for line in lines:
         _, arrow, response = line.partition(ARROW)
-        try:
-            ok = bool(arrow) and isinstance(json.loads(response), dict)
-        except ValueError:
-            ok = False
-        if not ok:
+        if not arrow or error_code(parse_result_text(response)) == BAD_OBSERVATION:
             return [], f"not a 'call -> JSON object' line: {line[:60]!r}"
         responses.append(response)
     return responses, None
@@ -173,13 +175,17 @@ class _Answers:
         self.rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # tokens, answer, logp
         self.owner: list[int] = []
 
-    def add(self, out, i: int, owner: int) -> None:
+    def add(self, tokenizer, out, i: int, owner: int) -> str:
+        """Keeps row `i` of the simulator's output `out`, answering for episode `owner`; returns
+        the answer's text."""
         n = int(out.lengths[i])
         answer = (np.asarray(out.segments[i, :n]) == 1) & (np.asarray(out.roles[i, :n]) == Role.ACT)
         end = int(np.flatnonzero(answer).max(initial=-1)) + 1
         logp = np.where(answer, np.asarray(out.logprobs[i, :n]), 0.0)
-        self.rows.append((np.asarray(out.tokens[i, :end]), answer[:end], logp[:end]))
+        tokens = np.asarray(out.tokens[i, :end])
+        self.rows.append((tokens, answer[:end], logp[:end]))
         self.owner.append(owner)
+        return tokenizer.decode(tokens[answer[:end]].tolist(), skip_special_tokens=True)
 
     def batch(self, pad_id, rewards, groups, rows: int, key, length_buckets) -> TrajectoryBatch:
         """`rows` rows: a seeded subsample of the answers, or all of them and padding rows."""
@@ -260,8 +266,7 @@ def grounded_rollouts(
                 max_message_tokens,
             )
             for i, b in enumerate(asked):
-                answers.add(out, i, b)
-                text = _answer_text(tokenizer, out, i)
+                text = answers.add(tokenizer, out, i, b)
                 responses, problem = simulated_responses(text, len(calls[b]))
                 if problem is not None:
                     broken[b] = problem
@@ -308,13 +313,6 @@ def _answer(sampler, tokenizer, chats, key, sampling, max_message_tokens):
     prompts = [prompt_ids(tokenizer, c) for c in chats]
     padded = prompts + [prompts[0]] * (pow2_bucket(len(prompts), minimum=8) - len(prompts))
     return sampler.generate(padded, key=key, sampling=sampling, max_new_tokens=max_message_tokens)
-
-
-def _answer_text(tokenizer, out, i: int) -> str:
-    n = int(out.lengths[i])
-    keep = (np.asarray(out.segments[i, :n]) == 1) & (np.asarray(out.roles[i, :n]) == Role.ACT)
-    text = tokenizer.decode(np.asarray(out.tokens[i, :n])[keep].tolist(), skip_special_tokens=True)
-    return text
 
 
 def _stack(a: TrajectoryBatch, b: TrajectoryBatch, pad_id: int) -> TrajectoryBatch:
