@@ -77,10 +77,12 @@ def demo_config(variant=None):
 
 def fake_devices_env(devices: int) -> dict[str, str]:
     """Environment of a subprocess that sees `devices` fake CPU devices and imports this
-    checkout (sharding and multi-process tests run their JAX programs in a fresh process)."""
+    checkout (sharding and multi-process tests run their JAX programs in a fresh process). The
+    caller's XLA flags are kept."""
+    flags = os.environ.get("XLA_FLAGS", "")
     return dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )

@@ -49,7 +49,8 @@ def test_each_row_samples_as_its_own_setting_would(seed):
     for row, params in enumerate(SETTINGS):
         want_tok, want_lp = sample_next(logits, key, params)  # same key and shape: same noise
         assert int(tokens[row]) == int(want_tok[row]), (row, params)
-        np.testing.assert_allclose(float(logprobs[row]), float(want_lp[row]), rtol=1e-6)
+        # Compiled whole or op by op, float32 multiply-adds may round differently (~1e-5).
+        np.testing.assert_allclose(float(logprobs[row]), float(want_lp[row]), rtol=3e-5)
 
 
 def test_one_program_serves_every_mix_of_settings():

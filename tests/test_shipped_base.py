@@ -38,6 +38,7 @@ def _config(hf_path: str):
     return config
 
 
+@pytest.mark.slow  # teacher-forced demonstrations of held-out tasks through the demo base
 def test_demo_base_copies_on_held_out_tasks(tok):
     base = build_model(_config("demo-base"), tok)
     assert base.cfg.vocab_size == len(tok)
@@ -64,6 +65,7 @@ def _simulator_exact(model, tok, tasks) -> float:
     return float((right | ~answer).all(1).mean())
 
 
+@pytest.mark.slow  # simulator rows of held-out tasks through both shipped bases
 def test_simulator_base_copies_logged_responses_on_held_out_tasks(tok):
     """`demo-base-simulator` answers a call whose response the prompt's logged block holds by
     copying it, where the base it was trained from writes values from its priors."""

@@ -1,10 +1,11 @@
 """On 8 fake CPU devices (data 2 x fsdp 2 x tensor 2) the train steps give the same params as
 on one device. Runs in a subprocess so the fake-device flag never leaks into other tests."""
 
-import os
 import subprocess
 import sys
 import textwrap
+
+from tests.conftest import REPO, fake_devices_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -85,17 +86,10 @@ SCRIPT = textwrap.dedent(
 def test_sharded_steps_match_one_device(tmp_path):
     script = tmp_path / "sharded.py"
     script.write_text(SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=root,
-    )
     proc = subprocess.run(
         [sys.executable, str(script)],
-        cwd=root,
-        env=env,
+        cwd=REPO,
+        env=fake_devices_env(8),
         capture_output=True,
         text=True,
         timeout=1500,

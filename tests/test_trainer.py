@@ -69,6 +69,7 @@ def uninterrupted(tmp_path_factory):
     return workdir, out, params
 
 
+@pytest.mark.slow  # a smoke job with a checkpoint every step, then its export in transformers
 def test_outputs_and_hf_export(uninterrupted):
     import torch
     from transformers import AutoModelForCausalLM
@@ -124,6 +125,7 @@ def test_outputs_and_hf_export(uninterrupted):
     np.testing.assert_allclose(np.asarray(got), ref, atol=1e-4)
 
 
+@pytest.mark.slow  # two interrupted smoke jobs and their reruns
 @pytest.mark.parametrize("stop_at", [3, 5])  # inside the warm start; inside RL
 def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, tmp_path, stop_at):
     _, _, reference = uninterrupted
@@ -136,6 +138,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, tmp_path, s
         np.testing.assert_allclose(params[k], reference[k], atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow  # a smoke job driven to a NaN
 def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     config = smoke(**{"schedule.checkpoint_every": 1})
     trainer = Trainer(config, str(tmp_path))
