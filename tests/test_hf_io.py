@@ -26,8 +26,8 @@ from transformers import (
 )
 
 from envace_jax.models.hf_io import load_hf_model, save_hf_model
+from tests.conftest import fake_devices_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 128
 LENGTHS = (9, 5, 7)  # a right-padded batch: rows of different lengths
 
@@ -376,15 +376,9 @@ _MESH_SCRIPT = textwrap.dedent(
 
 
 def test_sharded_load_on_fake_devices(hf_dirs):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT, str(hf_dirs["qwen3"][0])],
-        env=env,
+        env=fake_devices_env(8),
         capture_output=True,
         text=True,
         timeout=600,

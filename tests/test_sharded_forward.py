@@ -7,7 +7,6 @@ randomised model on one device, computed in that subprocess before any mesh exis
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,8 +16,8 @@ from jax.sharding import AbstractMesh, PartitionSpec
 
 from envace_jax import parallel
 from envace_jax.parallel import MESH_AXES, logical_to_spec
+from tests.conftest import REPO, fake_devices_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH_222 = AbstractMesh((2, 2, 2), MESH_AXES)
 
 
@@ -196,16 +195,10 @@ _CHILD = textwrap.dedent(
 def _run_child(family: str) -> dict:
     import json
 
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, family],
-        env=env,
-        cwd=ROOT,
+        env=fake_devices_env(8),
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,
