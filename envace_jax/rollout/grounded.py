@@ -213,6 +213,65 @@ class _Answers:
         return pad_to_bucket(batch, (bucket,), batch_size=rows, pad_id=pad_id)
 
 
+class _Episodes:
+    """What the host keeps of each grounded episode while it runs: its (call, response) history,
+    its observations, and why its last simulator answer did not parse, if it did not."""
+
+    def __init__(self, rows: Sequence[Any]):
+        self.rows = rows
+        self.history: list[list[tuple[str, str]]] = [[] for _ in rows]
+        self.observations: list[list[list[str]]] = [[] for _ in rows]
+        self.broken: dict[int, str] = {}
+
+    def answer(
+        self,
+        sampler,
+        tokenizer,
+        state,
+        waiting,
+        answers: _Answers,
+        key,
+        sampling,
+        max_message_tokens,
+    ) -> list[list[int] | None]:
+        """The simulator's observation ids for each row of `waiting` (None where the action or
+        the answer does not parse); every answer is kept in `answers`."""
+        calls: dict[int, list[str]] = {}
+        for b in waiting:
+            action = parse_tool_calls(last_act_text(tokenizer, state, b), self.rows[b].tools)
+            if action.error is None and action.calls:
+                calls[b] = [call_line(c.name, c.arguments) for c in action.calls]
+        asked = sorted(calls)
+        obs: list[list[int] | None] = [None] * len(self.rows)
+        if not asked:
+            return obs
+        chats = [simulator_messages(self.rows[b], self.history[b], calls[b]) for b in asked]
+        out = _answer(sampler, tokenizer, chats, key, sampling, max_message_tokens)
+        for i, b in enumerate(asked):
+            responses, problem = simulated_responses(
+                answers.add(tokenizer, out, i, b), len(calls[b])
+            )
+            if problem is not None:
+                self.broken[b] = problem
+                continue
+            self.history[b] += list(zip(calls[b], responses, strict=True))
+            self.observations[b].append(responses)
+            obs[b] = observation_ids(tokenizer, responses)
+        return obs
+
+    def built(self, tokenizer, out) -> list:
+        """The finished episodes, each with its rehearsed responses; an episode that a
+        simulator answer ended carries that answer's error as its last tool message."""
+        episodes = build_episodes(tokenizer, self.rows, out, self.observations)
+        for b, ep in enumerate(episodes):
+            ep.rehearsed = [(i, r) for i, (_, r) in enumerate(self.history[b])]
+            if b in self.broken and ep.status == Status.INVALID:
+                error = result_text(tool_error(BAD_OBSERVATION, self.broken[b]))
+                ep.messages.append({"role": "tool", "content": error})
+                ep.invalid_reason = f"rehearsal: {self.broken[b]}"
+        return episodes
+
+
 def grounded_rollouts(
     sampler: Sampler,
     tokenizer,
@@ -240,40 +299,17 @@ def grounded_rollouts(
         max_new_tokens=group.max_new_tokens,
         user_turns=users,
     )
-    history: list[list[tuple[str, str]]] = [[] for _ in rows]
-    observations: list[list[list[str]]] = [[] for _ in rows]
-    broken: dict[int, str] = {}  # row -> why its last answer does not parse
+    host = _Episodes(rows)
     answers = _Answers()
     for round_ in range(sampler.spec.max_turns + 1):
         status = np.asarray(state.status)
         waiting = np.flatnonzero(status == Status.AWAITING_ENV)
         if not len(waiting):
             break
-        calls: dict[int, list[str]] = {}
-        for b in waiting:
-            action = parse_tool_calls(last_act_text(tokenizer, state, b), rows[b].tools)
-            if action.error is None and action.calls:
-                calls[b] = [call_line(c.name, c.arguments) for c in action.calls]
-        asked = sorted(calls)
-        obs: list[list[int] | None] = [None] * len(rows)
-        if asked:
-            out = _answer(
-                sampler,
-                tokenizer,
-                [simulator_messages(rows[b], history[b], calls[b]) for b in asked],
-                jax.random.fold_in(key_sim, round_),
-                group.sampling,
-                max_message_tokens,
-            )
-            for i, b in enumerate(asked):
-                text = answers.add(tokenizer, out, i, b)
-                responses, problem = simulated_responses(text, len(calls[b]))
-                if problem is not None:
-                    broken[b] = problem
-                    continue
-                history[b] += list(zip(calls[b], responses, strict=True))
-                observations[b].append(responses)
-                obs[b] = observation_ids(tokenizer, responses)
+        key = jax.random.fold_in(key_sim, round_)
+        obs = host.answer(
+            sampler, tokenizer, state, waiting, answers, key, group.sampling, max_message_tokens
+        )
         stop = [b for b in waiting if obs[b] is None]
         if stop:
             status = status.copy()
@@ -282,13 +318,7 @@ def grounded_rollouts(
         if any(o is not None for o in obs):
             state = sampler.resume(state, obs, sampling=group.sampling)
     out = sampler.trajectories(state)
-    episodes = build_episodes(tokenizer, rows, out, observations)
-    for b, ep in enumerate(episodes):
-        ep.rehearsed = [(i, r) for i, (_, r) in enumerate(history[b])]
-        if b in broken and ep.status == Status.INVALID:
-            error = result_text(tool_error(BAD_OBSERVATION, broken[b]))
-            ep.messages.append({"role": "tool", "content": error})
-            ep.invalid_reason = f"rehearsal: {broken[b]}"
+    episodes = host.built(tokenizer, out)
     rewards = np.asarray(
         [judge(t, ep.messages).score for t, ep in zip(rows, episodes, strict=True)]
     )
