@@ -84,18 +84,22 @@ class JudgeConfig:
 
     base_url: str
     model: str
-    api_key: str | None = None
+    # The verdict's sampling.
     temperature: float = 0.6
     top_p: float | None = 0.8
     max_tokens: int = 6000
+    # Deadlines and retries.
     timeout_s: float = 120.0
     max_retries: int = 4
     backoff_s: float = 1.0
     max_backoff_s: float = 30.0
+    # The connection.
+    api_key: str | None = None
     concurrency: int = 64
+    trust_env: bool = True
+    # The verdict's format.
     response_format: bool = True
     retry_malformed: bool = True
-    trust_env: bool = True
 
     def __post_init__(self):
         if not self.base_url.startswith(("http://", "https://")):
