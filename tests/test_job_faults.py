@@ -88,7 +88,9 @@ def _file_size_limit():
 @pytest.mark.slow
 def test_a_disk_that_fills_up_stops_the_run_with_one_message(tmp_path):
     """The warm start's first checkpoint cannot be written (its background write fails): the
-    run stops at the next step boundary with one line naming the step and the OS error."""
+    run stops with one line naming the step and the OS error. Which save reports the failure
+    first depends on how fast the steps run: the step-2 checkpoint's background write, found at
+    a later step boundary, or the warm start's copy at its last step (4), which no longer fits."""
     with _small_disk(tmp_path) as small:
         args = [f"--config={DEMO}:smoke", f"--workdir={tmp_path}/work"]
         if small:
@@ -103,7 +105,7 @@ def test_a_disk_that_fills_up_stops_the_run_with_one_message(tmp_path):
     messages = _messages(r.stderr)
     assert len(messages) == 1, "\n".join(messages)
     (line,) = messages
-    assert line.startswith("error: saving checkpoint step 2 ") and cause in line, line
+    assert re.match(r"error: saving checkpoint step [24] ", line) and cause in line, line
     assert not (tmp_path / "work" / "summary.md").exists()
 
 
