@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from envace_jax import parallel
@@ -108,13 +107,10 @@ def real_env_rollouts(
             texts = [result_text(r) for r in results]
             observations[b].append(texts)
             obs[b] = observation_ids(tokenizer, texts)
-        if layout is not None:
-            if _anywhere(bool(invalid), layout):
-                status = np.asarray(rows.status).copy()
-                status[invalid] = Status.INVALID
-                state = sampler.set_status(state, status, layout)
-        elif invalid:
-            state = state.replace(status=state.status.at[jnp.asarray(invalid)].set(Status.INVALID))
+        if _anywhere(bool(invalid), layout):
+            status = np.asarray(rows.status).copy()
+            status[invalid] = Status.INVALID
+            state = sampler.set_status(state, status, layout)
         if _anywhere(any(o is not None for o in obs), layout):
             state = sampler.resume(state, obs, sampling=sampling, layout=layout)
     out = sampler.trajectories(state, layout)
