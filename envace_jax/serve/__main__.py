@@ -1,7 +1,9 @@
 """`python -m envace_jax.serve --model DIR`: serve an HF model directory over OpenAI's API.
 
 The directory is what `models.hf_io.save_hf_model` writes (config.json, safetensors, and the
-tokenizer files with a Qwen3-layout chat template). The server binds 127.0.0.1 unless told
+tokenizer files with a chat template). Any template that renders a chat with a generation prompt
+and ends an assistant message with a special token is served (`text.serving_template`); tools
+are offered where the template renders them. The server binds 127.0.0.1 unless told
 otherwise; `--port 0` picks a free port, and `--port-file F` writes the bound port to F once the
 server accepts requests. SIGINT / SIGTERM shut down gracefully: no new connections, running
 requests finish (up to `--graceful-timeout` seconds), then the engine stops.
@@ -26,26 +28,34 @@ def build_server(args: argparse.Namespace):
     """Loads the model and tokenizer the command line names (`parse_args`) and returns (asgi
     app, ServerConfig)."""
     from envace_jax.models.hf_io import load_hf_model
-    from envace_jax.sampling.chat_spec import turn_spec
+    from envace_jax.sampling.loop import TurnSpec
     from envace_jax.serve.app import ServerConfig, create_app
     from envace_jax.serve.batcher import Engine
-    from envace_jax.text.tokenizer import load_tokenizer, special_ids
+    from envace_jax.text.serving_template import serving_template
+    from envace_jax.text.tokenizer import load_tokenizer
 
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    template = serving_template(tokenizer)  # before the weights: a bad template fails fast
     overrides = {"param_dtype": args.param_dtype} if args.param_dtype else {}
     model, cfg = load_hf_model(args.model, **overrides)
-    tokenizer = load_tokenizer(args.tokenizer or args.model)
     if len(tokenizer) > cfg.vocab_size:
         raise ValueError(
             f"tokenizer has {len(tokenizer)} ids but the model's vocab_size is {cfg.vocab_size}"
         )
     limit = args.max_model_len or cfg.max_position_embeddings
-    # One spec serves both endpoints: a row stops at <|im_end|> (or <|endoftext|>).
-    spec = turn_spec(tokenizer, mode="generate", max_message_tokens=1 << 30)
+    # One spec serves both endpoints: a row stops at the end-of-turn id (or an end-of-text id).
+    spec = TurnSpec(
+        end_id=template.stop_id,
+        tool_call_id=template.tool_call_id,
+        abort_ids=template.abort_ids,
+        mode="generate",
+        max_message_tokens=1 << 30,
+    )
     pad = tokenizer.pad_token_id
     engine = Engine(
         model,
         spec,
-        pad_id=special_ids(tokenizer).endoftext if pad is None else pad,
+        pad_id=template.stop_id if pad is None else pad,
         max_batch=args.max_batch,
         chunk_steps=args.chunk_steps,
         wait_s=args.batch_wait_ms / 1000,
@@ -109,7 +119,11 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
-    app, config = build_server(args)
+    try:
+        app, config = build_server(args)
+    except (OSError, ValueError) as e:  # a missing directory, a template that cannot serve
+        print(f"envace_jax.serve: {e}", file=sys.stderr)
+        return 2
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 
 from envace_jax.serve import protocol as P
 from envace_jax.text.chat import encode, render_text
+from envace_jax.text.serving_template import serving_template
 from envace_jax.text.tool_calls import CALL_OPEN
 
 log = logging.getLogger("envace_jax.serve")
@@ -205,6 +206,13 @@ class Prompts:
             raise P.APIError(400, "tool_choice is set but no tools are given", param="tool_choice")
         if choice == "none":
             tools = []
+        if tools and not serving_template(self.tokenizer).tools:
+            raise P.APIError(
+                400,
+                "tools: the model's chat template does not render tools, so it cannot be "
+                "offered any; send the request without tools",
+                param="tools",
+            )
         prefix = ""
         if choice == "required":
             prefix = CALL_OPEN + '\n{"name":'

@@ -26,7 +26,8 @@ Message = dict[str, Any]
 
 
 class TemplateLayoutError(ValueError):
-    """The chat template does not render the Qwen3 tool-use layout this project builds on."""
+    """The chat template does not render what a use of it needs (the Qwen3 tool-use layout
+    for training and rehearsal; a stop id and a generation prompt for serving)."""
 
 
 class ConversationParseError(ValueError):
@@ -120,7 +121,7 @@ def cached_per_tokenizer(kind: str, tokenizer, build: Callable[[Any], Any]) -> A
             raise
         except Exception as e:  # the template raised on a probe conversation
             raise TemplateLayoutError(
-                f"chat template cannot render the Qwen3 tool-use layout ({kind}): {e}"
+                f"chat template raised on a probe conversation ({kind}): {e}"
             ) from e
         entry = (tokenizer.chat_template, built)
         cache[tokenizer] = entry
