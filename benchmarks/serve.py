@@ -1,11 +1,15 @@
-"""Server throughput and latency, measured in one run against a live server on localhost.
+"""Server throughput, latency and memory, measured in one run against a live server on localhost.
 
-For 1, 4 and 16 concurrent streaming clients (each sending requests back to back), prints
-requests/s, generated tokens/s and time to first token (the first streamed text chunk); then
-sends the same 16 requests once all at once (batched by the server) and once one after another,
-and prints the batched-over-sequential throughput ratio. Target: >= 3x at 16 clients.
+For 1, 4, 16 and 32 concurrent streaming clients (each sending requests back to back), prints
+requests/s, generated tokens/s, time to first token (the first streamed text chunk) and
+inter-token latency (a request's time after its first chunk over its later tokens), p50 and p95.
+Then it sends the same 16 requests once all at once (batched by the server) and once one after
+another, and prints the batched-over-sequential throughput ratio (target: >= 3x). Last, 16
+concurrent chat requests without `max_tokens` (each may use the rest of the context) and the
+server's peak resident memory (target: < 1.5 GB for SmolLM2-135M at its 8k context).
 
-    python benchmarks/serve.py [--model DIR] [--preset demo-qwen3] [--max-tokens 64]
+    make smollm2 && python benchmarks/serve.py --model workdir/smollm2 --json serve.json
+    python benchmarks/serve.py [--preset demo-qwen3] [--max-tokens 64]
 
 Without --model, a random model of the preset is exported with the demo tokenizer. Compile
 time is excluded: every configuration is run once before it is timed.
@@ -17,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,19 +56,24 @@ def start_server(model_dir: str, work: str, extra: list[str]):
     return proc, f"http://127.0.0.1:{int(open(port_file).read())}/v1"
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, n: int):
-    """Streams one completion; returns (seconds to first text, total seconds, tokens)."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": n,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, n: int | None, chat=False
+):
+    """Streams one completion (a chat completion with `prompt` as the user message when
+    `chat`; no `max_tokens` when n is None); returns (seconds to first text, total seconds,
+    tokens)."""
+    body = {"model": model, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    if n is not None:
+        body["max_tokens"] = n
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
     start = time.perf_counter()
     first, tokens = None, 0
-    async with client.stream("POST", url + "/completions", json=body) as r:
+    path = "/chat/completions" if chat else "/completions"
+    async with client.stream("POST", url + path, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -73,9 +81,27 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            if first is None and any(c.get("text") for c in chunk["choices"]):
+            choices = chunk["choices"]
+            texts = [c.get("text") or (c.get("delta") or {}).get("content") for c in choices]
+            if first is None and any(texts):
                 first = time.perf_counter() - start
     return first if first is not None else float("nan"), time.perf_counter() - start, tokens
+
+
+def percentile(values, q: float) -> float:
+    values = sorted(v for v in values if v == v)
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory (VmHWM), in MB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def prompts(k: int) -> list[str]:
@@ -114,6 +140,44 @@ async def burst(url, model, k: int, max_tokens: int, sequential: bool) -> tuple[
         return time.perf_counter() - start, sum(r[2] for r in res)
 
 
+def latency_rows(url, model, max_tokens: int, per_client: int) -> list[dict]:
+    rows = []
+    for clients in (1, 4, 16, 32):
+        asyncio.run(clients_run(url, model, clients, 1, max_tokens))  # compile
+        wall, res = asyncio.run(clients_run(url, model, clients, per_client, max_tokens))
+        ttft = [r[0] * 1000 for r in res]
+        itl = [(r[1] - r[0]) * 1000 / (r[2] - 1) for r in res if r[2] > 1]
+        rows.append(
+            {
+                "clients": clients,
+                "req_per_s": len(res) / wall,
+                "tok_per_s": sum(r[2] for r in res) / wall,
+                "ttft_ms_p50": percentile(ttft, 0.5),
+                "ttft_ms_p95": percentile(ttft, 0.95),
+                "itl_ms_p50": percentile(itl, 0.5),
+                "itl_ms_p95": percentile(itl, 0.95),
+            }
+        )
+    head = ("clients", "req/s", "tok/s", "TTFT p50", "TTFT p95", "ITL p50", "ITL p95")
+    print("\n" + " ".join(f"{h:>9}" for h in head) + "   (ms)")
+    for r in rows:
+        vals = [f"{v:>9.2f}" if isinstance(v, float) else f"{v:>9}" for v in r.values()]
+        print(" ".join(vals))
+    return rows
+
+
+async def full_context_burst(url, model, k: int) -> int:
+    """`k` concurrent short chat requests, each with the whole context as its budget."""
+    async with httpx.AsyncClient(timeout=600) as http:
+        res = await asyncio.gather(
+            *(
+                one_request(http, url, model, f"Say hello to customer {i}.", None, chat=True)
+                for i in range(k)
+            )
+        )
+    return sum(r[2] for r in res)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="HF model directory (default: export one)")
@@ -121,6 +185,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--per-client", type=int, default=4, help="requests per client")
     ap.add_argument("--server-arg", action="append", default=[])
+    ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as work:
@@ -131,25 +196,7 @@ def main() -> None:
         proc, url = start_server(model_dir, work, args.server_arg)
         try:
             model = httpx.get(url + "/models").json()["data"][0]["id"]
-            rows = []
-            for clients in (1, 4, 16):
-                asyncio.run(clients_run(url, model, clients, 1, args.max_tokens))  # compile
-                wall, res = asyncio.run(
-                    clients_run(url, model, clients, args.per_client, args.max_tokens)
-                )
-                ttft = [r[0] for r in res]
-                rows.append(
-                    (
-                        clients,
-                        len(res) / wall,
-                        sum(r[2] for r in res) / wall,
-                        statistics.mean(ttft) * 1000,
-                        statistics.median(ttft) * 1000,
-                    )
-                )
-            print(f"\n{'clients':>8} {'req/s':>8} {'tok/s':>9} {'TTFT mean ms':>13} {'p50 ms':>8}")
-            for c, rps, tps, mean, p50 in rows:
-                print(f"{c:>8} {rps:>8.2f} {tps:>9.1f} {mean:>13.1f} {p50:>8.1f}")
+            rows = latency_rows(url, model, args.max_tokens, args.per_client)
 
             for sequential in (False, True):  # compile the programs of both (rows, widths)
                 asyncio.run(burst(url, model, 16, args.max_tokens, sequential))
@@ -161,6 +208,27 @@ def main() -> None:
                 f"{t_seq:.2f}s ({n_seq} tokens)"
             )
             print(f"batched / sequential throughput: {ratio:.1f}x (target >= 3x)")
+
+            full = asyncio.run(full_context_burst(url, model, 16))
+            rss = peak_rss_mb(proc.pid)
+            print(
+                f"\n16 chat requests without max_tokens: {full} tokens in all; server peak RSS "
+                f"{rss:.0f} MB (target < 1536 MB for SmolLM2-135M at its full context)"
+            )
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(
+                        {
+                            "model": args.model or args.preset,
+                            "max_tokens": args.max_tokens,
+                            "clients": rows,
+                            "batched_over_sequential_16": ratio,
+                            "peak_rss_mb": rss,
+                            "full_context_tokens": full,
+                        },
+                        f,
+                        indent=2,
+                    )
         finally:
             proc.terminate()
             proc.wait(60)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
+
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.serve.batcher import Done, Engine, Sequence, Tokens, half_octave_bucket
 
@@ -88,5 +90,71 @@ def test_a_row_cancelled_while_its_tokens_are_handed_out_ends_as_cancelled():
         assert [len(t.ids) for t in tokens] == [8]  # the row was running: a whole chunk came
         assert (end.finish_reason, end.num_generated) == ("cancelled", 8)
         assert engine.stats["finished_cancelled"] == 1 and engine.stats["finished_stop"] == 0
+    finally:
+        engine.stop()
+
+
+def test_buffer_grows_as_rows_write_and_tokens_match_a_full_buffer():
+    """Rows are admitted with a reserve, not their whole budget; the buffer grows before a chunk
+    that needs room, and later arrivals grow it too. Greedy tokens equal those of one decode in
+    a buffer sized to the whole budget from the start."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from envace_jax.models.config import get_preset
+    from envace_jax.models.decoder import Decoder
+    from envace_jax.sampling import loop
+    from envace_jax.serve.batcher import RESERVE_TOKENS
+    from envace_jax.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("demo")
+    model = Decoder(get_preset("tiny-qwen3", vocab_size=len(tok)), rngs=nnx.Rngs(0))
+    # No stop id: every row runs to its budget, so the long one must outgrow the reserve.
+    spec = loop.TurnSpec(end_id=-1, tool_call_id=-1, mode="generate", max_message_tokens=1 << 30)
+    budgets = {(5, 6, 7): RESERVE_TOKENS + 300, (9, 10, 11, 12): 40}
+
+    def reference(prompt, new):
+        graphdef, params = nnx.split(model)
+        state = loop.init_state(
+            graphdef,
+            params,
+            jnp.asarray([prompt]),
+            jnp.asarray([len(prompt)]),
+            key=jax.random.key(0),
+            spec=spec,
+            max_len=1024,
+            max_new_tokens=new,
+        )
+        sampling = SamplingParams(greedy=True)
+        state = loop.decode(graphdef, params, state, spec=spec, sampling=sampling, max_steps=new)
+        return np.asarray(state.tokens[0, len(prompt) : len(prompt) + new]).tolist()
+
+    engine = Engine(model, spec, pad_id=0, wait_s=0.0, chunk_steps=16).start()
+    try:
+        got = {p: [] for p in budgets}
+        done = threading.Semaphore(0)
+
+        def collect(prompt):
+            def on_event(ev):
+                if isinstance(ev, Tokens):
+                    got[prompt] += ev.ids
+                else:
+                    assert ev.finish_reason == "length", ev
+                    done.release()
+
+            return on_event
+
+        first, second = budgets
+        engine.submit(Sequence(first, budgets[first], SamplingParams(greedy=True), collect(first)))
+        assert done.acquire(timeout=0) is False
+        time.sleep(0.5)  # the second joins the running batch
+        engine.submit(
+            Sequence(second, budgets[second], SamplingParams(greedy=True), collect(second))
+        )
+        assert done.acquire(timeout=300) and done.acquire(timeout=300)
+        assert engine.stats["grown"] >= 1
+        for prompt, new in budgets.items():
+            assert got[prompt] == reference(list(prompt), new), prompt
     finally:
         engine.stop()

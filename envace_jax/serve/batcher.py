@@ -5,14 +5,18 @@ generated row each); the engine keeps one running batch of B rows, a bucket from
 (e.g. 1, 4, 16, 32), with a buffer of T tokens (bucketed, see below), and alternates:
 
 1. admit: waiting sequences are prefilled into free rows of the running batch (a row is free
-   once its sequence stopped or was cancelled). A sequence is admitted only if it fits the
-   batch's buffer; the first one that does not blocks the ones behind it, so the batch drains
-   and the next batch is formed around it (first come, first served; no request waits behind an
-   endless stream). Sampling parameters are per-row inputs of the compiled loop
-   (`RowSampling`), so rows with any temperature, top-p and top-k share a batch, and no
-   client can make the engine compile a program per setting.
+   once its sequence stopped or was cancelled), in arrival order. Sampling parameters are
+   per-row inputs of the compiled loop (`RowSampling`), so rows with any temperature, top-p and
+   top-k share a batch, and no client can make the engine compile a program per setting.
 2. decode `chunk_steps` tokens for every row (`loop.decode` with a step limit);
 3. emit every row's new tokens to its sequence's callback, and free stopped rows.
+
+The buffer (tokens and KV cache) holds what the rows have written plus a reserve, not every
+row's whole budget: a request without `max_tokens` may use the rest of the context, and
+reserving that for 16 rows of an 8k-context model would take gigabytes while most replies stop
+after a few hundred tokens. A row is admitted with its prompt and `RESERVE_TOKENS` of room; the
+buffer grows (to the next length bucket) before a chunk that a row could not otherwise finish,
+and when an admitted prompt needs more room.
 
 Batch sizes, prompt widths and buffer lengths are all bucketed, so a server compiles a handful
 of programs, not one per request count. Widths and lengths take two buckets per octave (16, 24,
@@ -57,6 +61,7 @@ from envace_jax.text.codes import Status
 log = logging.getLogger(__name__)
 
 DEFAULT_ROW_BUCKETS = (1, 4, 16, 32)
+RESERVE_TOKENS = 256  # room for new tokens a row is admitted with (see the module docstring)
 _IDLE_ROW = SamplingParams(greedy=True)  # free rows: no truncation work in the sampler
 
 
@@ -109,9 +114,14 @@ class Sequence:
     done: bool = False
 
     @property
-    def need(self) -> int:
-        """Buffer length the row needs: prompt plus budget."""
+    def budget(self) -> int:
+        """The most tokens the row may hold: prompt plus new tokens."""
         return len(self.prompt) + self.max_new_tokens
+
+    @property
+    def need(self) -> int:
+        """Buffer length the row is admitted with: prompt plus the reserve (or its budget)."""
+        return min(self.budget, len(self.prompt) + RESERVE_TOKENS)
 
 
 @dataclasses.dataclass
@@ -119,6 +129,7 @@ class _Batch:
     state: loop.LoopState
     rows: list[Sequence | None]  # slot -> sequence
     prompt_len: np.ndarray  # int [B]
+    budget: np.ndarray  # int [B]: each row's `Sequence.budget` (0: free slot)
 
     @property
     def size(self) -> int:
@@ -148,6 +159,26 @@ def _insert(big: loop.LoopState, small: loop.LoopState, slots: jax.Array) -> loo
         else:
             updates[name] = a.at[slots].set(b.astype(a.dtype), mode="drop")
     return big.replace(**updates)
+
+
+def _grow(state: loop.LoopState, budget: jax.Array, *, max_len: int) -> loop.LoopState:
+    """`state` with a buffer of `max_len` positions (>= its own), each row's budget [B] clipped
+    to it. The new positions are empty: no row has written there."""
+    pad = max_len - state.tokens.shape[1]
+
+    def longer(a, axis):
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, pad)
+        return jnp.pad(a, widths)
+
+    per_position = {k: longer(getattr(state, k), 1) for k in ("tokens", "roles", "segments")}
+    cache = state.cache.replace(k=longer(state.cache.k, 2), v=longer(state.cache.v, 2))
+    return state.replace(
+        **per_position,
+        logprobs=longer(state.logprobs, 1),
+        cache=cache,
+        budget=jnp.minimum(budget, max_len).astype(state.budget.dtype),
+    )
 
 
 def _window(tokens: jax.Array, logprobs: jax.Array, start: jax.Array, width: int):
@@ -219,6 +250,7 @@ class Engine:
             decode, static_argnums=(0,), static_argnames=("spec",), donate_argnums=(2,)
         )
         self._insert = jax.jit(_insert, donate_argnums=(0,))
+        self._grow = jax.jit(_grow, static_argnames=("max_len",))
         self._window = jax.jit(_window, static_argnames=("width",))
         self._cancel = jax.jit(_cancel_rows, donate_argnums=(0,))
         self._pending: collections.deque[Sequence] = collections.deque()
@@ -227,7 +259,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._batch: _Batch | None = None
         self._joining: list[Sequence] = []  # popped from the queue, not yet in a batch
-        # batches, admitted, chunks, errors, finished_<reason>, decode_programs (compiled)
+        # batches, admitted, chunks, grown, errors, finished_<reason>, decode_programs
         self.stats = collections.Counter()
 
     # ------------------------------------------------------------------ public API
@@ -324,17 +356,11 @@ class Engine:
             self._pending.remove(seq)
             self._finish(seq, "cancelled")
 
-    def _take_fitting(self, max_len, limit) -> list[Sequence]:
-        """Pops waiting sequences in arrival order while they fit (see the module docstring)."""
-        taken = []
+    def _take(self, limit) -> list[Sequence]:
+        """Pops up to `limit` waiting sequences in arrival order."""
         with self._cv:
             self._drop_cancelled_pending()
-            while self._pending and len(taken) < limit:
-                seq = self._pending[0]
-                if seq.need > max_len:
-                    break
-                taken.append(self._pending.popleft())
-        return taken
+            return [self._pending.popleft() for _ in range(min(limit, len(self._pending)))]
 
     def _rows_bucket(self, n: int) -> int:
         return next(b for b in self.row_buckets if b >= n)
@@ -368,7 +394,7 @@ class Engine:
         rows = self._rows_bucket(len(group))
         max_len = half_octave_bucket(max(s.need for s in group))
         state = self._prefill(group, rows, max_len)
-        batch = _Batch(state, [None] * rows, np.zeros(rows, np.int64))
+        batch = _Batch(state, [None] * rows, np.zeros(rows, np.int64), np.zeros(rows, np.int64))
         for i, seq in enumerate(group):
             self._place(batch, seq, i)
         self._batch = batch
@@ -378,6 +404,7 @@ class Engine:
         seq.slot, seq.emitted = slot, 0
         batch.rows[slot] = seq
         batch.prompt_len[slot] = len(seq.prompt)
+        batch.budget[slot] = seq.budget
         self.stats["admitted"] += 1
 
     def _admit(self) -> None:
@@ -385,10 +412,11 @@ class Engine:
         free = [i for i, s in enumerate(batch.rows) if s is None]
         if not free:
             return
-        seqs = self._take_fitting(batch.max_len, len(free))
+        seqs = self._take(len(free))
         if not seqs:
             return
         self._joining = seqs
+        self._grow_to(batch, max(s.need for s in seqs))
         small = self._prefill(seqs, self._rows_bucket(len(seqs)), batch.max_len)
         slots = np.full(small.tokens.shape[0], batch.size, np.int32)  # padding rows: dropped
         slots[: len(seqs)] = free[: len(seqs)]
@@ -396,8 +424,22 @@ class Engine:
         for seq, slot in zip(seqs, free, strict=False):
             self._place(batch, seq, slot)
 
+    def _grow_to(self, batch: _Batch, need: int) -> None:
+        """Grows the batch's buffer to hold `need` positions, if it is shorter."""
+        if need > batch.max_len:
+            budget = jnp.asarray(batch.budget.astype(np.int32))
+            batch.state = self._grow(batch.state, budget, max_len=half_octave_bucket(need))
+            self.stats["grown"] += 1
+
     def _step(self) -> None:
         batch = self._batch
+        # Room for this chunk: a row writes at most one token per step, up to its budget.
+        live = [
+            min(batch.prompt_len[i] + s.emitted + self.chunk_steps, batch.budget[i])
+            for i, s in enumerate(batch.rows)
+            if s is not None
+        ]
+        self._grow_to(batch, max(live, default=0))
         cancel = np.array([s is not None and s.cancelled for s in batch.rows])
         if cancel.any():
             batch.state = self._cancel(batch.state, jnp.asarray(cancel))
