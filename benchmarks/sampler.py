@@ -11,6 +11,15 @@
 
     python benchmarks/sampler.py [--batch 32] [--repeats 3]
 
+With `--model DIR` (an HF checkpoint, e.g. `make smollm2`'s workdir/smollm2) only the first
+comparison runs, at a real size: prompts of 256 tokens, 128 new tokens, batch 1, 8 and 32. For
+each batch it also prints the fraction of the memory-bandwidth roofline our decode reaches:
+the bytes one decode step must read (every weight, plus the live KV cache at the mean
+context), times decode steps per second (prefill timed apart and taken out), over the
+bandwidth of a large array copy measured on the spot.
+
+    python benchmarks/sampler.py --model workdir/smollm2 --json sampler-smollm2.json
+
 Prints a table and the ratios; compile time is excluded (one warm-up call each).
 """
 
@@ -65,50 +74,98 @@ def best_of(fn, repeats):
     return min(times)
 
 
-def bench_generate(ckpt, model, batch, prompt_len, new_tokens, repeats):
+def generate_pair(ckpt, model, batch, prompt_len, new_tokens):
+    """(ours(n), theirs(n)): greedy generation of n new tokens for the same random prompts,
+    each returning the new tokens [batch, n]."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rng = np.random.default_rng(0)
-    vocab = model.cfg.vocab_size
-    prompts = rng.integers(20, vocab, size=(batch, prompt_len))
-    # No stop id can end rows early: both sides decode exactly new_tokens per row.
-    spec = turn_spec(load_tokenizer("demo"), mode="generate", max_message_tokens=10**6)
-    spec = type(spec)(end_id=-1, tool_call_id=-1, mode="generate", max_message_tokens=10**6)
+    prompts = rng.integers(20, model.cfg.vocab_size, size=(batch, prompt_len))
+    # No stop id can end rows early: both sides decode exactly the asked tokens per row.
+    spec = loop.TurnSpec(end_id=-1, tool_call_id=-1, mode="generate", max_message_tokens=10**6)
     sampler = Sampler(model, spec, pad_id=0)
     greedy = SamplingParams(greedy=True)
-
-    def ours():
-        out = sampler.start(
-            prompts.tolist(), key=jax.random.key(0), sampling=greedy, max_new_tokens=new_tokens
-        )
-        jax.block_until_ready(out.tokens)
-        return out
-
-    state = ours()  # compile
-    t_ours = best_of(ours, repeats)
-    ours_tokens = np.asarray(state.tokens)[:, prompt_len : prompt_len + new_tokens]
-
     hf = AutoModelForCausalLM.from_pretrained(ckpt).eval()
     ids = torch.as_tensor(prompts)
 
-    def theirs():
+    def ours(n):
+        out = sampler.start(
+            prompts.tolist(), key=jax.random.key(0), sampling=greedy, max_new_tokens=n
+        )
+        return np.asarray(jax.block_until_ready(out.tokens))[:, prompt_len : prompt_len + n]
+
+    def theirs(n):
         with torch.no_grad():
-            return hf.generate(
+            out = hf.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
+                max_new_tokens=n,
+                min_new_tokens=n,
                 do_sample=False,
                 pad_token_id=0,
             )
+        return out[:, prompt_len:].numpy()
 
-    out = theirs()  # warm-up
-    t_hf = best_of(theirs, repeats)
-    agree = float((out[:, prompt_len:].numpy() == ours_tokens).mean())
+    return ours, theirs
+
+
+def bench_generate(ckpt, model, batch, prompt_len, new_tokens, repeats):
+    """(our tokens/s, transformers tokens/s, share of identical greedy tokens, our decode steps
+    per second with prefill taken out)."""
+    ours, theirs = generate_pair(ckpt, model, batch, prompt_len, new_tokens)
+    mine, hf_tokens = ours(new_tokens), theirs(new_tokens)  # compile / warm up
+    ours(1)
+    t_ours = best_of(lambda: ours(new_tokens), repeats)
+    t_prefill = best_of(lambda: ours(1), repeats)
+    t_hf = best_of(lambda: theirs(new_tokens), repeats)
     n = batch * new_tokens
-    return n / t_ours, n / t_hf, agree
+    steps_per_s = (new_tokens - 1) / max(t_ours - t_prefill, 1e-9)
+    return n / t_ours, n / t_hf, float((hf_tokens == mine).mean()), steps_per_s
+
+
+def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes/s of a large array copy (read + write), the machine's memory bandwidth here."""
+    src = np.ones(megabytes * 2**20 // 4, np.float32)
+    dst = np.empty_like(src)
+    return 2 * src.nbytes / best_of(lambda: np.copyto(dst, src), repeats)
+
+
+def decode_step_bytes(cfg, batch: int, context: float, weight_bytes: int) -> float:
+    """Bytes one decode step reads: every weight once, and each row's keys and values."""
+    kv = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * jnp.dtype(cfg.dtype).itemsize
+    return weight_bytes + batch * context * kv
+
+
+def bench_real_model(path, batches, prompt_len, new_tokens, repeats):
+    model, cfg = load_hf_model(path)
+    params = nnx.state(model, nnx.Param)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    print(f"{path}: {cfg.num_params / 1e6:.1f}M params, {weight_bytes / 2**20:.0f} MiB weights")
+    bandwidth = copy_bandwidth()
+    print(f"array copy bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    rows = []
+    for batch in batches:
+        ours, hf, agree, steps = bench_generate(path, model, batch, prompt_len, new_tokens, repeats)
+        step_bytes = decode_step_bytes(cfg, batch, prompt_len + new_tokens / 2, weight_bytes)
+        rows.append(
+            {
+                "batch": batch,
+                "tokens_per_s": ours,
+                "hf_tokens_per_s": hf,
+                "ratio": ours / hf,
+                "greedy_tokens_identical": agree,
+                "decode_steps_per_s": steps,
+                "roofline_fraction": step_bytes * steps / bandwidth,
+            }
+        )
+    print(f"\nprompt {prompt_len}, {new_tokens} new tokens, greedy")
+    head = ("batch", "ours tok/s", "hf tok/s", "ratio", "identical", "steps/s", "roofline")
+    print(" ".join(f"{h:>11}" for h in head))
+    for r in rows:
+        print(" ".join(f"{v:>11.3f}" if isinstance(v, float) else f"{v:>11}" for v in r.values()))
+    return {"model": path, "bandwidth_bytes_per_s": bandwidth, "rows": rows}
 
 
 class ForcedModel(nnx.Module):
@@ -260,19 +317,29 @@ def _message_bounds(ref):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=None, help="default: 64, 256 with --model")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="also write the figures to this JSON file")
+    ap.add_argument("--model", help="an HF checkpoint directory: greedy decoding at its size")
+    ap.add_argument("--batches", default="1,8,32", help="batch sizes with --model")
     args = ap.parse_args()
+    if args.model:
+        batches = [int(b) for b in args.batches.split(",")]
+        prompt = args.prompt or 256
+        out = bench_real_model(args.model, batches, prompt, args.new_tokens, args.repeats)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return
 
     tok = load_tokenizer("demo")
     with tempfile.TemporaryDirectory() as ckpt:
         make_checkpoint(ckpt, len(tok))
         model, cfg = load_hf_model(ckpt)
         print(f"tiny Qwen3: {cfg.num_params / 1e6:.2f}M params, backend {jax.default_backend()}")
-        ours, hf, agree = bench_generate(
-            ckpt, model, args.batch, args.prompt, args.new_tokens, args.repeats
+        ours, hf, agree, _ = bench_generate(
+            ckpt, model, args.batch, args.prompt or 64, args.new_tokens, args.repeats
         )
     traj_ours, traj_host, mean_len, messages = bench_rehearsal(model, args.batch, args.repeats)
     phased, whole, buffer, same = bench_windows(model, args.batch, args.repeats)

@@ -91,10 +91,16 @@ class HFCheckpoint(contextlib.AbstractContextManager):
         return files
 
     def __exit__(self, *exc):
+        self.release()
+        return None
+
+    def release(self) -> None:
+        """Closes the open files; later reads open them again. The files are memory-mapped, and
+        the pages a read touched count as resident until their file is closed, so a loader that
+        keeps every file open until the end peaks at the checkpoint's size on top of the model."""
         self._stack.close()
         self._handles.clear()
         self._slices.clear()
-        return None
 
     def names(self) -> set[str]:
         return set(self._files)
@@ -235,6 +241,7 @@ def load_hf_params(path: str | os.PathLike, specs: Mapping[str, ParamSpec]) -> d
         check_hf_tensors(ckpt, specs)
         for p, spec in specs.items():
             out[p] = _load_one(ckpt, rule_for(p), spec)
+            ckpt.release()
             done += math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
             now = time.perf_counter()
             if now - last_log > 10 and done < total:  # large models: a line every ~10 s

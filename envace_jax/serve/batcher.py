@@ -61,7 +61,7 @@ from envace_jax.text.codes import Status
 log = logging.getLogger(__name__)
 
 DEFAULT_ROW_BUCKETS = (1, 4, 16, 32)
-RESERVE_TOKENS = 256  # room for new tokens a row is admitted with (see the module docstring)
+RESERVE_TOKENS = 128  # room for new tokens a row is admitted with (see the module docstring)
 _IDLE_ROW = SamplingParams(greedy=True)  # free rows: no truncation work in the sampler
 
 
@@ -489,6 +489,9 @@ class Engine:
                 self._finish(seq, reason or "stop", num_generated=total)
         if all(s is None for s in batch.rows):
             self._batch = None
+            # Its buffers go now, not whenever a garbage collection finds them: the next batch
+            # allocates its own, and two batches' KV caches at once would set the peak.
+            jax.tree.map(lambda a: a.delete(), batch.state)
 
     def _finish(self, seq: Sequence, reason: str, num_generated=None, error=None) -> None:
         if seq.done:
