@@ -1,12 +1,14 @@
 """Server throughput, latency and memory, measured in one run against a live server on localhost.
 
-For 1, 4, 16 and 32 concurrent streaming clients (each sending requests back to back), prints
-requests/s, generated tokens/s, time to first token (the first streamed text chunk) and
-inter-token latency (a request's time after its first chunk over its later tokens), p50 and p95.
-Then it sends the same 16 requests once all at once (batched by the server) and once one after
-another, and prints the batched-over-sequential throughput ratio (target: >= 3x). Last, 16
-concurrent chat requests without `max_tokens` (each may use the rest of the context) and the
-server's peak resident memory (target: < 1.5 GB for SmolLM2-135M at its 8k context).
+1. On the fresh server: 16 concurrent chat requests without `max_tokens` (each may use the rest
+   of the context), then the server's peak resident memory (target: < 1.5 GB for SmolLM2-135M
+   at its 8k context).
+2. For 1, 4, 16 and 32 concurrent streaming clients (each sending requests back to back):
+   requests/s, generated tokens/s, time to first token (the first streamed text chunk) and
+   inter-token latency (a request's time after its first chunk over its later tokens), p50 and
+   p95.
+3. The same 16 requests once all at once (batched by the server) and once one after another:
+   the batched-over-sequential throughput ratio (target: >= 3x).
 
     make smollm2 && python benchmarks/serve.py --model workdir/smollm2 --json serve.json
     python benchmarks/serve.py [--preset demo-qwen3] [--max-tokens 64]
@@ -196,6 +198,13 @@ def main() -> None:
         proc, url = start_server(model_dir, work, args.server_arg)
         try:
             model = httpx.get(url + "/models").json()["data"][0]["id"]
+            # Memory first, on the fresh server: the later 32-client runs keep their programs.
+            full = asyncio.run(full_context_burst(url, model, 16))
+            rss = peak_rss_mb(proc.pid)
+            print(
+                f"16 concurrent chat requests without max_tokens: {full} tokens in all; server "
+                f"peak RSS {rss:.0f} MB (target < 1536 MB for SmolLM2-135M at its full context)"
+            )
             rows = latency_rows(url, model, args.max_tokens, args.per_client)
 
             for sequential in (False, True):  # compile the programs of both (rows, widths)
@@ -208,13 +217,6 @@ def main() -> None:
                 f"{t_seq:.2f}s ({n_seq} tokens)"
             )
             print(f"batched / sequential throughput: {ratio:.1f}x (target >= 3x)")
-
-            full = asyncio.run(full_context_burst(url, model, 16))
-            rss = peak_rss_mb(proc.pid)
-            print(
-                f"\n16 chat requests without max_tokens: {full} tokens in all; server peak RSS "
-                f"{rss:.0f} MB (target < 1536 MB for SmolLM2-135M at its full context)"
-            )
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(
