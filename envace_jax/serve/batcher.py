@@ -5,9 +5,14 @@ generated row each); the engine keeps one running batch of B rows, a bucket from
 (e.g. 1, 4, 16, 32), with a buffer of T tokens (bucketed, see below), and alternates:
 
 1. admit: waiting sequences are prefilled into free rows of the running batch (a row is free
-   once its sequence stopped or was cancelled), in arrival order. Sampling parameters are
-   per-row inputs of the compiled loop (`RowSampling`), so rows with any temperature, top-p and
-   top-k share a batch, and no client can make the engine compile a program per setting.
+   once its sequence stopped or was cancelled). A sequence is admitted only if its prompt and
+   reserve (below) fit the batch's buffer; the first one that does not blocks the ones behind
+   it, so the batch drains and the next batch is formed around it (first come, first served;
+   no request waits behind an endless stream). Growing the buffer to admit it instead would
+   compile a program for every (rows, old length, new length) a mix of requests meets.
+   Sampling parameters are per-row inputs of the compiled loop (`RowSampling`), so rows with
+   any temperature, top-p and top-k share a batch, and no client can make the engine compile
+   a program per setting.
 2. decode `chunk_steps` tokens for every row (`loop.decode` with a step limit), or one token
    when the batch was just opened, so that its first tokens stream at once;
 3. emit every row's new tokens to its sequence's callback, and free stopped rows.
@@ -16,8 +21,7 @@ The buffer (tokens and KV cache) holds what the rows have written plus a reserve
 row's whole budget: a request without `max_tokens` may use the rest of the context, and
 reserving that for 16 rows of an 8k-context model would take gigabytes while most replies stop
 after a few hundred tokens. A row is admitted with its prompt and `RESERVE_TOKENS` of room; the
-buffer grows (to the next length bucket) before a chunk that a row could not otherwise finish,
-and when an admitted prompt needs more room.
+buffer grows (to the next length bucket) before a chunk that a row could not otherwise finish.
 
 Batch sizes, prompt widths and buffer lengths are all bucketed, so a server compiles a handful
 of programs, not one per request count. Widths and lengths take two buckets per octave (16, 24,
@@ -357,11 +361,16 @@ class Engine:
             self._pending.remove(seq)
             self._finish(seq, "cancelled")
 
-    def _take(self, limit) -> list[Sequence]:
-        """Pops up to `limit` waiting sequences in arrival order."""
+    def _take_fitting(self, max_len, limit) -> list[Sequence]:
+        """Pops waiting sequences in arrival order while they fit (see the module docstring)."""
+        taken = []
         with self._cv:
             self._drop_cancelled_pending()
-            return [self._pending.popleft() for _ in range(min(limit, len(self._pending)))]
+            while self._pending and len(taken) < limit:
+                if self._pending[0].need > max_len:
+                    break
+                taken.append(self._pending.popleft())
+        return taken
 
     def _rows_bucket(self, n: int) -> int:
         return next(b for b in self.row_buckets if b >= n)
@@ -413,11 +422,10 @@ class Engine:
         free = [i for i, s in enumerate(batch.rows) if s is None]
         if not free:
             return
-        seqs = self._take(len(free))
+        seqs = self._take_fitting(batch.max_len, len(free))
         if not seqs:
             return
         self._joining = seqs
-        self._grow_to(batch, max(s.need for s in seqs))
         small = self._prefill(seqs, self._rows_bucket(len(seqs)), batch.max_len)
         slots = np.full(small.tokens.shape[0], batch.size, np.int32)  # padding rows: dropped
         slots[: len(seqs)] = free[: len(seqs)]
