@@ -134,7 +134,6 @@ class _Batch:
     state: loop.LoopState
     rows: list[Sequence | None]  # slot -> sequence
     prompt_len: np.ndarray  # int [B]
-    budget: np.ndarray  # int [B]: each row's `Sequence.budget` (0: free slot)
 
     @property
     def size(self) -> int:
@@ -404,7 +403,7 @@ class Engine:
         rows = self._rows_bucket(len(group))
         max_len = half_octave_bucket(max(s.need for s in group))
         state = self._prefill(group, rows, max_len)
-        batch = _Batch(state, [None] * rows, np.zeros(rows, np.int64), np.zeros(rows, np.int64))
+        batch = _Batch(state, [None] * rows, np.zeros(rows, np.int64))
         for i, seq in enumerate(group):
             self._place(batch, seq, i)
         self._batch = batch
@@ -414,7 +413,6 @@ class Engine:
         seq.slot, seq.emitted = slot, 0
         batch.rows[slot] = seq
         batch.prompt_len[slot] = len(seq.prompt)
-        batch.budget[slot] = seq.budget
         self.stats["admitted"] += 1
 
     def _admit(self) -> None:
@@ -436,7 +434,8 @@ class Engine:
     def _grow_to(self, batch: _Batch, need: int) -> None:
         """Grows the batch's buffer to hold `need` positions, if it is shorter."""
         if need > batch.max_len:
-            budget = jnp.asarray(batch.budget.astype(np.int32))
+            # Free slots get budget 0, as the padding rows of a prefill do.
+            budget = jnp.asarray([0 if s is None else s.budget for s in batch.rows], jnp.int32)
             batch.state = self._grow(batch.state, budget, max_len=half_octave_bucket(need))
             self.stats["grown"] += 1
 
@@ -444,7 +443,7 @@ class Engine:
         batch = self._batch
         # Room for this chunk: a row writes at most one token per step, up to its budget.
         live = [
-            min(batch.prompt_len[i] + s.emitted + self.chunk_steps, batch.budget[i])
+            min(batch.prompt_len[i] + s.emitted + self.chunk_steps, s.budget)
             for i, s in enumerate(batch.rows)
             if s is not None
         ]
