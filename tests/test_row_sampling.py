@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from envace_jax.sampling.distributions import (
+    TOP_P_CANDIDATES,
     RowSampling,
     SamplingParams,
     sample_next,
@@ -67,3 +68,36 @@ def test_one_program_serves_every_mix_of_settings():
         mix = [SETTINGS[j] for j in rng.integers(0, len(SETTINGS), len(SETTINGS))]
         step(logits, jax.random.key(i), RowSampling.of(mix))
     assert len(traces) == 1
+
+
+def _support_reference(logits: np.ndarray, k: int, p: float) -> np.ndarray:
+    """The kept tokens of one row by definition: the top k (ties with the k-th kept), then the
+    fewest most likely of those whose renormalised mass reaches p (ties with the last kept)."""
+    order = np.argsort(-logits, kind="stable")
+    kth = logits[order[k - 1]] if 0 < k < len(logits) else -np.inf
+    in_k = logits >= kth
+    probs = np.where(in_k, np.exp(logits - logits.max()), 0.0)
+    probs = probs / probs.sum()
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    if p >= 1.0:
+        return in_k
+    threshold = logits[order][mass_before < p].min()
+    return in_k & (logits >= threshold)
+
+
+def test_truncation_past_the_candidates_matches_the_definition():
+    """A vocabulary wider than the candidates top-p searches first: peaked rows find their cut
+    there, flat rows and a top-k past the candidates fall back to the sort; both give the
+    support the definition gives."""
+    V = 4 * TOP_P_CANDIDATES
+    rows = [(8.0, 0, 0.95), (8.0, 5, 0.9), (8.0, 0, 1.0), (0.1, 0, 0.5), (4.0, 3 * V // 4, 0.99)]
+    noise = np.asarray(jax.random.normal(jax.random.key(3), (len(rows), V)), np.float64)
+    logits = np.stack([scale * n for (scale, _, _), n in zip(rows, noise)]).astype(np.float32)
+    k = jnp.asarray([r[1] for r in rows], jnp.int32)
+    p = jnp.asarray([r[2] for r in rows], jnp.float32)
+    for picked in (np.arange(3), np.arange(len(rows))):  # the head alone, and with fallback rows
+        got = np.asarray(jax.jit(truncate_rows)(logits[picked], k[picked], p[picked])) > -1e29
+        for i, row in enumerate(picked):
+            want = _support_reference(logits[row].astype(np.float64), rows[row][1], rows[row][2])
+            np.testing.assert_array_equal(got[i], want, err_msg=f"row {rows[row]}")
+    assert _support_reference(logits[3].astype(np.float64), 0, 0.5).sum() > TOP_P_CANDIDATES
