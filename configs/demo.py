@@ -8,8 +8,8 @@ Usage:
       # test-time rehearsal table and plot of the trained workdir (after the train job)
   python -m envace_jax.main --config configs/demo.py:headroom --workdir workdir/demo
       # greedy, pass@1 and pass@8 per task family of the trained workdir's policies
-  python -m envace_jax.main --config configs/demo.py:grounded --workdir workdir/grounded
-      # the demo in the grounded rehearsal view (the reference's Tool Simulator)
+  python -m envace_jax.main --config configs/demo.py:shared --workdir workdir/shared
+      # the demo in the shared rehearsal view (the paper's formulation)
 """
 
 from envace_jax.configuration import base_config
@@ -27,9 +27,22 @@ def _from_checkpoint(config, sft_steps, sft_lr, sft_warmup, rl_lr, rl_warmup) ->
 
 
 def demo():
-    """The demo job: RL from the shipped demo base (`base` below, envace_jax/models/demo_base)
-    after a brief continuation of its warm start: from random init the policy needs ~1,500
-    steps before it copies ids from its context, three times this job's time budget."""
+    """The demo job: EnvACE in the grounded rehearsal view (the reference's Tool Simulator: the
+    policy answers each call from a simulator prompt with the task's logged responses), from
+    the shipped base that learned to copy them (`base_simulator`). A quarter of the training
+    tasks keep that prompt in the warm start, so the simulator skill survives it."""
+    config = shared()
+    config.model.hf_path = "demo-base-simulator"
+    config.rollout.rehearsal_view = "grounded"
+    config.data.simulator_demos = 0.25
+    return config
+
+
+def shared():
+    """EnvACE in the shared view (the paper's formulation: both roles write one sequence), from
+    the shipped demo base (`base` below, envace_jax/models/demo_base) after a brief continuation
+    of its warm start: from random init the policy needs ~1,500 steps before it copies ids from
+    its context, three times this job's time budget. The demo job's settings come from here."""
     config = base_config()
     config.model.hf_path = "demo-base"
     # RL from a trained base at 3e-4: at the reference's 1e-4 sixteen steps leave the policy
@@ -66,17 +79,6 @@ def base():
     config.schedule.rl_steps = 0
     config.schedule.checkpoint_every = 250
     config.schedule.probe_every = 100
-    return config
-
-
-def grounded():
-    """The demo in the grounded rehearsal view: the policy answers each call from a simulator
-    prompt with the task's logged responses, starting from the base that learned to copy them
-    (`base_simulator`); a quarter of the training tasks keep that prompt in the warm start."""
-    config = demo()
-    config.model.hf_path = "demo-base-simulator"
-    config.rollout.rehearsal_view = "grounded"
-    config.data.simulator_demos = 0.25
     return config
 
 
@@ -177,7 +179,7 @@ VARIANTS = {
     "smoke": smoke,
     "base": base,
     "base_simulator": base_simulator,
-    "grounded": grounded,
+    "shared": shared,
     "smollm2": smollm2,
     "rehearsal_eval": rehearsal_eval,
     "rehearsal_eval_smoke": rehearsal_eval_smoke,
