@@ -92,7 +92,9 @@ def test_truncation_past_the_candidates_matches_the_definition():
     V = 4 * TOP_P_CANDIDATES
     rows = [(8.0, 0, 0.95), (8.0, 5, 0.9), (8.0, 0, 1.0), (0.1, 0, 0.5), (4.0, 3 * V // 4, 0.99)]
     noise = np.asarray(jax.random.normal(jax.random.key(3), (len(rows), V)), np.float64)
-    logits = np.stack([scale * n for (scale, _, _), n in zip(rows, noise)]).astype(np.float32)
+    logits = np.stack([scale * n for (scale, _, _), n in zip(rows, noise, strict=True)]).astype(
+        np.float32
+    )
     k = jnp.asarray([r[1] for r in rows], jnp.int32)
     p = jnp.asarray([r[2] for r in rows], jnp.float32)
     for picked in (np.arange(3), np.arange(len(rows))):  # the head alone, and with fallback rows
