@@ -76,11 +76,11 @@ def _support_reference(logits: np.ndarray, k: int, p: float) -> np.ndarray:
     order = np.argsort(-logits, kind="stable")
     kth = logits[order[k - 1]] if 0 < k < len(logits) else -np.inf
     in_k = logits >= kth
+    if p >= 1.0:
+        return in_k
     probs = np.where(in_k, np.exp(logits - logits.max()), 0.0)
     probs = probs / probs.sum()
     mass_before = np.cumsum(probs[order]) - probs[order]
-    if p >= 1.0:
-        return in_k
     threshold = logits[order][mass_before < p].min()
     return in_k & (logits >= threshold)
 
