@@ -115,6 +115,9 @@ class ScheduleSection(Section):
     rl_steps: int = knob(16, integer(0))  # RL steps after the warm start.
     # RL steps between real-environment evaluations (0 = end only).
     eval_every: int = knob(8, integer(0))
+    # Evaluate the warm start before RL (the summary's baseline row). `compare` turns it off:
+    # its `sft_only` arm evaluates the warm start on the same held-out tasks.
+    eval_warm_start: bool = knob(True, BOOL)
     checkpoint_every: int = knob(25, integer(1))  # Steps (SFT and RL) between checkpoints.
     keep_checkpoints: int = knob(3, integer(1))  # Checkpoints kept on disk.
     # Checkpoints: a path or gs:// URL; '' = workdir/checkpoints.

@@ -32,12 +32,13 @@ def summary_record(ev: EvalResult, env_calls_rl: int) -> dict[str, float]:
     }
 
 
-def summary_tables(warm: EvalResult, final: EvalResult, trained: str, tasks) -> str:
+def summary_tables(warm: EvalResult | None, final: EvalResult, trained: str, tasks) -> str:
     """summary.md: the headline table (greedy and avg@4 with their standard errors), then
-    success per task family."""
+    success per task family; the warm start's columns only when it was evaluated."""
     pm = lambda v, se: f"{v:.3f} ± {se:.3f}"
     header = ["policy", "success (greedy)", "success (avg@4)", "reward", "tool errors"]
     header += ["invalid", "fidelity"]
+    evals = ([("warm start (SFT)", warm)] if warm else []) + [(trained, final)]
     rows = [
         [
             name,
@@ -48,19 +49,19 @@ def summary_tables(warm: EvalResult, final: EvalResult, trained: str, tasks) -> 
             ev.invalid_rate,
             ev.fidelity,
         ]
-        for name, ev in (("warm start (SFT)", warm), (trained, final))
+        for name, ev in evals
     ]
     text = table(rows, header)
-    if families := sorted({*warm.by_family, *final.by_family}):
+    if families := sorted({f for _, ev in evals for f in ev.by_family}):
         counts = collections.Counter(t.metadata.get("family") for t in tasks)
         get = lambda d, f: d.get(f, "-")
         rows = [
-            [f, counts[f], get(warm.by_family, f), get(warm.by_family_avg4, f)]
-            + [get(final.by_family, f), get(final.by_family_avg4, f)]
+            [f, counts[f]]
+            + [get(d, f) for _, ev in evals for d in (ev.by_family, ev.by_family_avg4)]
             for f in families
         ]
-        header = ["task family", "tasks", "warm start greedy", "warm start avg@4"]
-        header += [f"{trained} greedy", f"{trained} avg@4"]
+        names = (["warm start"] if warm else []) + [trained]
+        header = ["task family", "tasks"] + [f"{n} {k}" for n in names for k in ("greedy", "avg@4")]
         text += "\n\nSuccess by task family:\n\n" + table(rows, header)
     return text
 
@@ -68,7 +69,7 @@ def summary_tables(warm: EvalResult, final: EvalResult, trained: str, tasks) -> 
 def write_report(
     workdir: str,
     metrics_path: str,
-    warm: EvalResult,
+    warm: EvalResult | None,
     final: EvalResult,
     trained: str,
     mode: str,
@@ -76,7 +77,8 @@ def write_report(
     seconds: float,
 ) -> None:
     """Writes the curves and the summary of a finished train job, and prints the summary;
-    `trained` names the final evaluation's row."""
+    `trained` names the final evaluation's row. `warm` is None when the warm start was not
+    evaluated (`schedule.eval_warm_start`)."""
     metrics = read_metrics(metrics_path)
     plot_curves(metrics, os.path.join(workdir, "curves.png"), CURVES)
     env_calls = int(sum(m.get("env_calls", 0) for m in metrics if m.get("phase") == "rl"))
@@ -85,7 +87,7 @@ def write_report(
     summary_json = {
         "tasks": len(tasks),
         "mode": mode,
-        "warm_start": summary_record(warm, 0),
+        "warm_start": warm and summary_record(warm, 0),
         "final": summary_record(final, env_calls),
     }
     with open(os.path.join(workdir, "summary.md"), "w") as f:

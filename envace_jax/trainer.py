@@ -115,6 +115,7 @@ class Trainer:
         self.graphdef, params, self.rest = nnx.split(self.model, nnx.Param, ...)
         self.key = jax.random.key(config.seed)
         self.eval_key = jax.random.fold_in(self.key, 2**31 - 1)  # a stream apart from training
+        self._final_eval_key = jax.random.fold_in(self.eval_key, 2**30)
         s, r = config.schedule, config.rollout
         self.domain = domain(config.data.env)
         self.train_tasks = self.domain.generate_tasks(config.seed, config.data.train_tasks, "train")
@@ -371,9 +372,9 @@ class Trainer:
             state, meta = self._end_warm_start(step, state, meta)
         if self.rl_steps:
             state = self._run_rl(state, step, meta)
-        final = self.evaluate(
-            state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, 2**30)
-        )
+            final = self.evaluate(state.params, self.eval_tasks, self._final_eval_key)
+        else:  # the final policy is the warm start, evaluated once
+            final = EvalResult.from_dict(meta["sft_eval"])
         last = self.sft_steps + self.rl_steps
         self.writer.write(self.rl_steps, "eval", final.as_dict(), global_step=last)
         self._save(last, state, {**meta, "phase": "done", "final_eval": final.as_dict()})
@@ -383,14 +384,18 @@ class Trainer:
     def _end_warm_start(self, step: int, state, meta: dict[str, Any]) -> tuple[Any, dict]:
         """Evaluates the warm start (or takes over the evaluation of the run it was loaded
         from), keeps it in warm_start/, and opens the RL phase with a fresh optimizer."""
-        if "warm_start_eval" in meta:  # evaluated by the run it was loaded from
+        ev = None
+        if meta.get("warm_start_eval"):  # evaluated by the run it was loaded from
             ev = EvalResult.from_dict(meta["warm_start_eval"])
-        else:
+        elif not self.rl_steps:  # the final policy: evaluated under the final evaluation's key
+            ev = self.evaluate(state.params, self.eval_tasks, self._final_eval_key)
+        elif self.config.schedule.eval_warm_start:
             ev = self.evaluate(state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, 0))
         warm = {k: meta[k] for k in ("warm_start_dir",) if k in meta}
-        meta = {"phase": "rl", "sft_eval": ev.as_dict(), **warm}
-        self.writer.write(0, "eval", ev.as_dict(), global_step=step)
-        print(f"[eval] warm start: {ev.headline()}")
+        meta = {"phase": "rl", "sft_eval": ev and ev.as_dict(), **warm}
+        if ev is not None:
+            self.writer.write(0, "eval", ev.as_dict(), global_step=step)
+            print(f"[eval] warm start: {ev.headline()}")
         if self.config.rehearsal.keep_warm_start:
             self.run_dir.keep_warm_start(step, state.params, meta)
         if self.rl_steps:
@@ -405,9 +410,8 @@ class Trainer:
             model = nnx.merge(self.graphdef, params, self.rest)
             self.run_dir.export(name, model, self.tokenizer)
         if self.writer.enabled:
-            # With no RL steps the final row is the warm start evaluated again (other key).
             trained = f"RL ({self.config.mode})" if self.rl_steps else "final (no RL steps)"
-            warm = EvalResult.from_dict(sft_eval)
+            warm = EvalResult.from_dict(sft_eval) if sft_eval else None
             args = (warm, final, trained, self.config.mode, self.eval_tasks, seconds)
             report.write_report(self.workdir, self.writer.path, *args)
         self.writer.close()

@@ -235,3 +235,20 @@ def test_kl_penalty_to_the_warm_start_is_applied_and_logged(tmp_path):
     assert len(kl) == config.schedule.rl_steps
     assert all(np.isfinite(k) and k >= 0 for k in kl)
     assert kl[0] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_without_the_warm_start_evaluation_only_the_final_policy_is_evaluated(tmp_path):
+    config = smoke(**{"schedule.eval_warm_start": False, "schedule.eval_every": 0})
+    trainer = Trainer(config, str(tmp_path))
+    evaluated = []
+    evaluate = trainer.evaluate
+    trainer.evaluate = lambda *a: evaluated.append(1) or evaluate(*a)
+    out = trainer.run()
+    assert len(evaluated) == 1 and out["sft"] is None
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["warm_start"] is None
+    assert summary["final"]["success_avg4"] == out["final"]["success_avg4"]
+    text = (tmp_path / "summary.md").read_text()
+    assert "| RL (envace)" in text and "warm start" not in text
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if r["phase"] == "eval"]) == 1

@@ -72,9 +72,11 @@ BUDGETS: dict[str, dict[str, Any]] = {
         "eval.fidelity_tasks": 4,
     },
 }
-# Bookkeeping the same in every run: evaluate at the end only, checkpoint rarely.
+# Bookkeeping the same in every run: evaluate the final policy only (the `sft_only` arm is
+# the warm start's evaluation on each seed's tasks), checkpoint rarely.
 _COMMON = {
     "schedule.eval_every": 0,
+    "schedule.eval_warm_start": False,
     "schedule.checkpoint_every": 1000,
     "schedule.keep_checkpoints": 1,
     "schedule.log_every": 20,
