@@ -370,13 +370,13 @@ class Trainer:
             step = self.sft_steps
         if "sft_eval" not in meta:
             state, meta = self._end_warm_start(step, state, meta)
+        last = self.sft_steps + self.rl_steps
         if self.rl_steps:
             state = self._run_rl(state, step, meta)
             final = self.evaluate(state.params, self.eval_tasks, self._final_eval_key)
-        else:  # the final policy is the warm start, evaluated once
+            self.writer.write(self.rl_steps, "eval", final.as_dict(), global_step=last)
+        else:  # the final policy is the warm start, evaluated once (metrics has its row)
             final = EvalResult.from_dict(meta["sft_eval"])
-        last = self.sft_steps + self.rl_steps
-        self.writer.write(self.rl_steps, "eval", final.as_dict(), global_step=last)
         self._save(last, state, {**meta, "phase": "done", "final_eval": final.as_dict()})
         self.run_dir.checkpointer.wait()
         return self._finish(state, meta["sft_eval"], final, time.time() - t_start)
