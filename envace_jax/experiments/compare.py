@@ -1,15 +1,16 @@
 """Mini-replication of the paper's comparison on the demo domain.
 
-    python -m envace_jax.experiments.compare --workdir DIR            # full (up to ~60 min)
-    python -m envace_jax.experiments.compare --workdir DIR --quick    # quick (up to ~15 min)
+    python -m envace_jax.experiments.compare --workdir DIR            # full (~2 h on 2 cores)
+    python -m envace_jax.experiments.compare --workdir DIR --quick    # quick
     python -m envace_jax.experiments.compare --workdir DIR --set rollout.group_size=8  # any key
-    python -m envace_jax.experiments.compare --workdir DIR --modes sft_only,grpo_real_env
+    python -m envace_jax.experiments.compare --workdir DIR --modes sft_only,grpo_real_env  # ~35 min
 
 Every arm (`verdicts.ARMS`: a training mode, in each rehearsal view where it rehearses; or
 those `--modes` names) x 3 seeds, with the same budget,
 on the main policy size; with a second `--presets` entry, a model-scale study: the modes that
-carry the scaling claim, on a smaller policy. Every run is evaluated the same way (greedy and
-avg@4 on 256 held-out tasks, `envace_jax.evaluation`), and claims are judged on avg@4. Writes
+carry the scaling claim, on a smaller policy. Every run evaluates its final policy the same
+way (greedy and avg@4 on 256 held-out tasks, `envace_jax.evaluation`; the warm start's
+evaluation is the `sft_only` arm's), and claims are judged on avg@4. Writes
 `results.md` (tables and the claim-by-claim verdicts), `results.csv` (one line per run) and
 `results.png` (bars) into DIR; each run keeps its own workdir under DIR/runs/.
 
