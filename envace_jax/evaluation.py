@@ -28,6 +28,7 @@ import numpy as np
 from envace_jax import parallel
 from envace_jax.rollout.real_env import (
     RealEpisode,
+    prefill_tasks,
     real_env_metrics,
     real_env_rollouts,
     rehearsal_fidelity,
@@ -138,8 +139,11 @@ class Executions:
     mesh: Any
     max_new_tokens: int
 
-    def committed(self, key: jax.Array, sampling: SamplingParams) -> list[RealEpisode]:
-        """One execution of each task (this process's rows of them)."""
+    def committed(
+        self, key: jax.Array, sampling: SamplingParams, prefilled=None
+    ) -> list[RealEpisode]:
+        """One execution of each task (this process's rows of them); `prefilled`: `prefill`'s
+        state, decoded instead of a new prefill."""
         layout = parallel.row_layout(self.mesh, len(self.tasks))
         return real_env_rollouts(
             self.sampler,
@@ -150,15 +154,27 @@ class Executions:
             sampling=sampling,
             max_new_tokens=self.max_new_tokens,
             layout=layout,
+            prefilled=prefilled,
         )[0]
+
+    def prefill(self):
+        """The sampler state with this process's tasks prefilled, which every execution of
+        them shares (a prefill is a fifth of a 256-task run)."""
+        layout = parallel.row_layout(self.mesh, len(self.tasks))
+        mine = [self.tasks[i] for i in layout.rows]
+        return prefill_tasks(self.sampler, self.tokenizer, mine, self.max_new_tokens, None, layout)
 
     def greedy_and_sampled(
         self, key: jax.Array, sampling: SamplingParams, samples: int
     ) -> tuple[list[RealEpisode], list[list[RealEpisode]]]:
         """One greedy execution of each task (keyed by `key`), and `samples` sampled ones
-        (keyed by ``fold_in(key, 1 + s)``): the runs every score here is made of."""
-        greedy = self.committed(key, SamplingParams(greedy=True))
-        sampled = [self.committed(jax.random.fold_in(key, 1 + s), sampling) for s in range(samples)]
+        (keyed by ``fold_in(key, 1 + s)``), from one prefill: the runs every score here is
+        made of."""
+        state = self.prefill()
+        greedy = self.committed(key, SamplingParams(greedy=True), state)
+        sampled = [
+            self.committed(jax.random.fold_in(key, 1 + s), sampling, state) for s in range(samples)
+        ]
         return greedy, sampled
 
 

@@ -149,8 +149,10 @@ def test_decode_phases_match_attending_the_whole_buffer(model):
         decode(graphdef, params, state, spec=spec, sampling=sampling, max_steps=1, windows=(32,))
 
 
-def test_host_continuation_matches_fresh_prefill(model):
-    """Appending observation tokens on top of the cache gives the logits of a fresh prefill."""
+@pytest.mark.parametrize("windowed", [False, True])
+def test_host_continuation_matches_fresh_prefill(model, windowed):
+    """Appending observation tokens on top of the cache gives the logits of a fresh prefill,
+    also when the appended chunk attends over the slots its rows reach only (`kv_window`)."""
     spec = TurnSpec(end_id=END, tool_call_id=CALL, mode="host", max_message_tokens=10_000)
     sampler = Sampler(model, spec, pad_id=0)
     prompts = _prompts(2, (4, 11))
@@ -164,7 +166,12 @@ def test_host_continuation_matches_fresh_prefill(model):
         budget=jnp.full_like(state.budget, T),
     )
     obs = [[31, 32, 33], [41, 42, 43, 44, 45, 46, 47]]
-    appended = sampler._append(sampler.graphdef, sampler.params, state, *_chunk(obs))
+    chunk, lens = _chunk(obs)
+    window = int(np.max(np.asarray(state.length))) + chunk.shape[1] + 1 if windowed else None
+    assert window is None or window < T
+    appended = sampler._append(
+        sampler.graphdef, sampler.params, state, chunk, lens, kv_window=window
+    )
     lengths = np.asarray(appended.length)
     for b in range(2):
         seq = np.asarray(appended.tokens[b, : lengths[b]]).tolist()
@@ -177,6 +184,44 @@ def test_host_continuation_matches_fresh_prefill(model):
         np.testing.assert_allclose(np.asarray(got[0, 0]), ref, atol=1e-4)
         assert (np.asarray(appended.roles[b, lengths[b] - len(obs[b]) : lengths[b]]) == 0).all()
     assert (np.asarray(appended.status) == Status.RUNNING).all()
+
+
+def test_decodes_from_one_prefill_match_separate_starts(model):
+    """Decoding copies of one `prefill` state (an evaluation's greedy and sampled runs) gives
+    what separate starts give, and leaves the prefilled state usable."""
+    sampler = Sampler(model, GENERATE, pad_id=0)
+    prompts = _prompts(4)
+    shared = sampler.prefill(prompts, max_new_tokens=10)
+    runs = [
+        (jax.random.key(0), SamplingParams(greedy=True)),
+        (jax.random.key(1), SamplingParams(temperature=1.0)),
+        (jax.random.key(2), SamplingParams(temperature=1.0)),
+    ]
+    for key, sampling in runs:
+        alone = sampler.generate(prompts, key=key, sampling=sampling, max_new_tokens=10)
+        state = sampler.start(key=key, sampling=sampling, prefilled=shared)
+        out = sampler.trajectories(state)
+        np.testing.assert_array_equal(out.tokens, alone.tokens)
+        np.testing.assert_array_equal(out.logprobs, alone.logprobs)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(shared))
+
+
+def test_fresh_prefill_writes_the_cache_of_a_windowed_prefill():
+    """A prompt batch prefilled in causal query blocks over its own keys (`fresh`) writes the
+    cache that attending over every slot writes."""
+    with jax.default_matmul_precision("float32"):
+        blocked = Decoder(get_preset("tiny-qwen3", query_block=4), rngs=nnx.Rngs(3))
+        prompts = _prompts(5, (3, 9, 14, 6))
+        tokens = jnp.asarray(pad_rows(prompts, 16, 0))
+        positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), tokens.shape)
+        empty = lambda: loop.init_cache(blocked.cfg, len(prompts), 32)
+        fresh = loop.prefill(blocked, tokens, positions, empty(), kv_window=16, fresh=True)
+        ref = loop.prefill(blocked, tokens, positions, empty(), kv_window=16)
+    for b, p in enumerate(prompts):
+        for got, want in ((fresh.k, ref.k), (fresh.v, ref.v)):
+            np.testing.assert_allclose(
+                np.asarray(got[:, b, : len(p)]), np.asarray(want[:, b, : len(p)]), atol=1e-5
+            )
 
 
 def _chunk(obs):

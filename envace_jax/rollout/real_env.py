@@ -64,6 +64,7 @@ def real_env_rollouts(
     max_new_tokens: int,
     prompts: Sequence[Sequence[int]] | None = None,
     layout: parallel.RowLayout | None = None,
+    prefilled=None,
 ) -> tuple[list[RealEpisode], Trajectories]:
     """One committed execution of every task in a fresh environment (sampler mode 'host'): the
     episodes, and the sampled rows (observations are CONTEXT) for training.
@@ -71,24 +72,20 @@ def real_env_rollouts(
     prompts: optional prompt ids per task (e.g. with a rehearsal memory in the context);
     default: the task's opening messages.
     layout: the global batch's rows; `tasks` (and `prompts`) are then this process's rows
-    (`layout.rows`), and every process must call this together."""
+    (`layout.rows`), and every process must call this together.
+    prefilled: `prefill_tasks`' state for these tasks and prompts, decoded instead of a new
+    prefill (the sampled runs of one evaluation share it)."""
     if sampler.spec.mode != "host":
         raise ValueError("real_env_rollouts needs a sampler whose TurnSpec.mode is 'host'")
-    default_prompts, users = task_prompts(tokenizer, tasks)
     envs = [make_env() for _ in tasks]
     for env, task in zip(envs, tasks, strict=True):
         env.reset(task)
     observations: list[list[list[str]]] = [[] for _ in tasks]
     call_errors = [0] * len(tasks)
     invalid_calls = [False] * len(tasks)
-    state = sampler.start(
-        list(prompts or default_prompts),
-        key=key,
-        sampling=sampling,
-        max_new_tokens=max_new_tokens,
-        user_turns=users,
-        layout=layout,
-    )
+    if prefilled is None:
+        prefilled = prefill_tasks(sampler, tokenizer, tasks, max_new_tokens, prompts, layout)
+    state = sampler.start(key=key, sampling=sampling, layout=layout, prefilled=prefilled)
     while True:
         rows = _host_rows(state, layout)
         waiting = np.flatnonzero(np.asarray(rows.status) == Status.AWAITING_ENV)
@@ -115,6 +112,24 @@ def real_env_rollouts(
             state = sampler.resume(state, obs, sampling=sampling, layout=layout)
     out = sampler.trajectories(state, layout)
     return _judged(tokenizer, tasks, out, envs, observations, call_errors, invalid_calls), out
+
+
+def prefill_tasks(
+    sampler: Sampler,
+    tokenizer,
+    tasks: Sequence[Any],
+    max_new_tokens: int,
+    prompts: Sequence[Sequence[int]] | None = None,
+    layout: parallel.RowLayout | None = None,
+):
+    """The sampler state with the tasks' prompts prefilled (`real_env_rollouts`' arguments)."""
+    default_prompts, users = task_prompts(tokenizer, tasks)
+    return sampler.prefill(
+        list(prompts or default_prompts),
+        max_new_tokens=max_new_tokens,
+        user_turns=users,
+        layout=layout,
+    )
 
 
 def _judged(tokenizer, tasks, out, envs, observations, call_errors, invalid_calls):

@@ -78,12 +78,17 @@ class RoleDecoders(CausalLM):
         return logits, self._join(cache, act_cache, reh_cache, role, open_call)
 
     def prefill(
-        self, tokens: jax.Array, positions: jax.Array, cache: KVCache, kv_window: int | None = None
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        kv_window: int | None = None,
+        fresh: bool = False,
     ) -> KVCache:
         """Writes `tokens` [B, T] into both decoders' caches without computing logits."""
         act_cache, reh_cache = self._split(cache)
-        act_cache = self.act.prefill(tokens, positions, act_cache, kv_window)
-        reh_cache = self.rehearse.prefill(tokens, positions, reh_cache, kv_window)
+        act_cache = self.act.prefill(tokens, positions, act_cache, kv_window, fresh)
+        reh_cache = self.rehearse.prefill(tokens, positions, reh_cache, kv_window, fresh)
         role, open_call = self._track(tokens, cache)
         return self._join(cache, act_cache, reh_cache, role, open_call)
 

@@ -114,11 +114,17 @@ class LoopState:
 
 
 def prefill(
-    model, tokens: jax.Array, positions: jax.Array, cache: KVCache, kv_window: int | None = None
+    model,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    kv_window: int | None = None,
+    fresh: bool = False,
 ) -> KVCache:
-    """Writes tokens into the cache; models with a logit-free `prefill` skip the LM head."""
+    """Writes tokens into the cache; models with a logit-free `prefill` skip the LM head (and
+    with `fresh`, positions 0..T-1 in every row, attend in causal blocks: `Decoder.prefill`)."""
     if hasattr(model, "prefill"):
-        return model.prefill(tokens, positions, cache, kv_window)
+        return model.prefill(tokens, positions, cache, kv_window, fresh)
     return model(tokens, positions, cache=cache, kv_window=kv_window)[1]
 
 
@@ -180,7 +186,7 @@ def init_state(
     # Under a mesh (a sampler row layout), the cache is split over devices like the rows.
     cache = jax.tree.map(lambda a: with_logical_constraint(a, CACHE_LOGICAL_AXES), cache)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    cache = prefill(model, prompts, positions, cache, kv_window=P)
+    cache = prefill(model, prompts, positions, cache, kv_window=P, fresh=True)
     budget = jnp.minimum(prompt_lens + jnp.asarray(max_new_tokens, jnp.int32), max_len)
     zeros_b = jnp.zeros((B,), jnp.int32)
     return LoopState(
@@ -377,13 +383,19 @@ def decode(
 
 
 def append_tokens(
-    graphdef: nnx.GraphDef, params: Any, state: LoopState, chunk: jax.Array, chunk_lens: jax.Array
+    graphdef: nnx.GraphDef,
+    params: Any,
+    state: LoopState,
+    chunk: jax.Array,
+    chunk_lens: jax.Array,
+    kv_window: int | None = None,
 ) -> LoopState:
     """Host turns: appends CONTEXT tokens [B, C] (right-padded, chunk_lens [B]) to paused rows.
 
     The chunk is prefilled on top of the existing cache (positions continue each row's length;
     the history is never re-prefilled) and rows that received tokens resume as ACT. A chunk that
-    does not fit the row's budget truncates the row instead.
+    does not fit the row's budget truncates the row instead. kv_window (static): attend over
+    the cache's first slots only, for a caller that knows every row's length + C + 1 fits.
     """
     chunk = jnp.asarray(chunk, jnp.int32)
     chunk_lens = jnp.asarray(chunk_lens, jnp.int32)
@@ -410,7 +422,7 @@ def append_tokens(
     steps = jnp.arange(C + 1, dtype=jnp.int32)[None]
     feed_pos = jnp.where(take[:, None], last_pos[:, None] + steps, last_pos[:, None])
     feed_tok = jnp.where(take[:, None], feed_tok, last_tok[:, None])
-    cache = prefill(model, feed_tok, jnp.minimum(feed_pos, T), state.cache)
+    cache = prefill(model, feed_tok, jnp.minimum(feed_pos, T), state.cache, kv_window)
     status = jnp.where(take, Status.RUNNING, state.status)
     status = jnp.where(receives & ~fits, Status.TRUNCATED, status)
     return state.replace(

@@ -66,29 +66,29 @@ class Sampler:
             static_argnames=("spec", "sampling"),
             donate_argnums=(2,),
         )
-        self._append = jax.jit(loop.append_tokens, static_argnums=(0,), donate_argnums=(2,))
+        self._append = jax.jit(
+            loop.append_tokens,
+            static_argnums=(0,),
+            static_argnames=("kv_window",),
+            donate_argnums=(2,),
+        )
 
     def set_params(self, params) -> None:
         """Swaps in new parameters (same tree), e.g. after a train step."""
         self.params = params
 
-    def start(
+    def prefill(
         self,
         prompts: Sequence[Sequence[int]],
         *,
-        key: jax.Array,
-        sampling: SamplingParams,
         max_new_tokens: int | Sequence[int],
         user_turns: Sequence[Sequence[Sequence[int]]] | None = None,
         max_len: int | None = None,
         layout: parallel.RowLayout | None = None,
     ) -> loop.LoopState:
-        """Prefills `prompts` and decodes until every row stops or pauses.
-
-        max_new_tokens: the token budget on top of each prompt (one for all rows, or per row).
-        max_len: the buffer length (default: a bucket that fits the longest prompt + budget).
-        layout: the global batch's row layout; `prompts` are then this process's rows.
-        """
+        """The state with `prompts` prefilled, before any decoding (arguments as `start`'s).
+        `start(prefilled=state)` decodes a copy of it, so the decodes of one batch of prompts
+        (an evaluation's greedy and sampled runs) share one prefill."""
         if not prompts or min(len(p) for p in prompts) < 1:
             raise ValueError("Sampler.start: every prompt needs at least one token")
         budget = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (len(prompts),))
@@ -100,18 +100,51 @@ class Sampler:
         ut, ut_lens = self._user_turns(user_turns, len(prompts), layout)
         put = lambda x: _put(x, layout)
         with _on_mesh(layout):
-            state = self._init(
+            return self._init(
                 self.graphdef,
                 self.params,
                 put(pad_rows(prompts, P, self.pad_id)),
                 put(np.asarray([len(p) for p in prompts], np.int32)),
-                key=key,
+                key=jax.random.key(0),  # replaced by `start`'s
                 spec=self.spec,
                 max_len=T,
                 max_new_tokens=put(np.asarray(budget)),
                 user_turns=None if ut is None else put(ut),
                 user_turn_lens=None if ut is None else put(ut_lens),
             )
+
+    def start(
+        self,
+        prompts: Sequence[Sequence[int]] | None = None,
+        *,
+        key: jax.Array,
+        sampling: SamplingParams,
+        max_new_tokens: int | Sequence[int] = 0,
+        user_turns: Sequence[Sequence[Sequence[int]]] | None = None,
+        max_len: int | None = None,
+        layout: parallel.RowLayout | None = None,
+        prefilled: loop.LoopState | None = None,
+    ) -> loop.LoopState:
+        """Prefills `prompts` and decodes until every row stops or pauses.
+
+        max_new_tokens: the token budget on top of each prompt (one for all rows, or per row).
+        max_len: the buffer length (default: a bucket that fits the longest prompt + budget).
+        layout: the global batch's row layout; `prompts` are then this process's rows.
+        prefilled: a `prefill` state to decode (left as it is) instead of `prompts`.
+        """
+        if prefilled is None:
+            state = self.prefill(
+                prompts,
+                max_new_tokens=max_new_tokens,
+                user_turns=user_turns,
+                max_len=max_len,
+                layout=layout,
+            )
+        else:
+            state = jax.tree.map(jnp.copy, prefilled)  # `_decode` donates its state
+        with _on_mesh(layout):
+            state = state.replace(key=jnp.copy(key))  # a copy: the state is donated
+            T = state.tokens.shape[1]
             return self._decode(
                 self.graphdef, self.params, state, spec=self.spec, sampling=sampling, max_steps=T
             )
@@ -130,11 +163,20 @@ class Sampler:
         C = pow2_bucket(_agreed(max((len(o) for o in observations if o), default=1), layout))
         chunk = pad_rows([o or [] for o in observations], C, self.pad_id)
         lens = np.asarray([len(o or []) for o in observations], np.int32)
+        T = state.tokens.shape[1]
+        # The chunk attends over the slots its rows can reach, not the whole buffer.
+        lengths = state.length if layout is None else layout.to_local(state.length)
+        reach = _agreed(int(np.max(np.asarray(lengths))) + C + 1, layout)
+        window = next((w for w in loop.attention_windows(T) if w >= reach), T)
         with _on_mesh(layout):
             state = self._append(
-                self.graphdef, self.params, state, _put(chunk, layout), _put(lens, layout)
+                self.graphdef,
+                self.params,
+                state,
+                _put(chunk, layout),
+                _put(lens, layout),
+                kv_window=window,
             )
-            T = state.tokens.shape[1]
             return self._decode(
                 self.graphdef, self.params, state, spec=self.spec, sampling=sampling, max_steps=T
             )
