@@ -161,7 +161,7 @@ class Executions:
         """The sampler state with this process's tasks prefilled, which every execution of
         them shares (a prefill is a fifth of a 256-task run)."""
         layout = parallel.row_layout(self.mesh, len(self.tasks))
-        mine = [self.tasks[i] for i in layout.rows]
+        mine = my_tasks(self.mesh, self.tasks)
         return prefill_tasks(self.sampler, self.tokenizer, mine, self.max_new_tokens, None, layout)
 
     def greedy_and_sampled(
