@@ -370,13 +370,13 @@ def test_committed_runs_decoded_in_row_chunks_match_one_batch(memorised, tok):
             params, tasks, rehearsals, budget=1, key=jax.random.key(1)
         )
         batch_rows = []
-        start = ttr.host_sampler.start
+        prefill = ttr.host_sampler.prefill
 
-        def recording(prompts, _rows=batch_rows, _start=start, **kw):
+        def recording(prompts, _rows=batch_rows, _prefill=prefill, **kw):
             _rows.append(len(prompts))
-            return _start(prompts, **kw)
+            return _prefill(prompts, **kw)
 
-        ttr.host_sampler.start = recording
+        ttr.host_sampler.prefill = recording
         out = ttr.commit(params, rows, memories, DemoEnv, key=jax.random.key(2))
         assert max(batch_rows) == commit_rows and sum(batch_rows) == len(rows)
         runs[commit_rows] = out
