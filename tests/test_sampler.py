@@ -10,7 +10,12 @@ from flax import nnx
 from envace_jax.models.config import get_preset
 from envace_jax.models.decoder import Decoder
 from envace_jax.sampling import loop
-from envace_jax.sampling.distributions import SamplingParams, sample_next, truncate_logits
+from envace_jax.sampling.distributions import (
+    SamplingParams,
+    categorical,
+    sample_next,
+    truncate_logits,
+)
 from envace_jax.sampling.loop import TurnSpec
 from envace_jax.sampling.sampler import Sampler, pad_rows
 from envace_jax.text.codes import Role, Status
@@ -222,6 +227,51 @@ def test_fresh_prefill_writes_the_cache_of_a_windowed_prefill():
             np.testing.assert_allclose(
                 np.asarray(got[:, b, : len(p)]), np.asarray(want[:, b, : len(p)]), atol=1e-5
             )
+
+
+def test_categorical_of_some_rows_draws_what_the_whole_batch_draws():
+    """Rows of a batch, sampled with their row ids, pick the tokens the whole batch picks."""
+    logits = jax.random.normal(jax.random.key(0), (16, 50))
+    key = jax.random.key(1)
+    whole = np.asarray(jax.random.categorical(key, logits))
+    rows = jnp.asarray([1, 4, 5, 11])
+    some = categorical(key, logits[rows], rows=rows, batch=16)
+    np.testing.assert_array_equal(np.asarray(some), whole[np.asarray(rows)])
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(greedy=True), SamplingParams(1.0)])
+def test_resuming_some_rows_as_a_smaller_batch_matches_the_whole_batch(model, sampling):
+    """A host turn that resumes 5 of 16 rows decodes them as a 6-row batch (`take_rows`), and
+    the state it gives back equals resuming the whole batch: the same tokens, lengths and
+    status, and log-probs and cache up to rounding (a smaller batch's matmuls round apart)."""
+    spec = TurnSpec(end_id=END, tool_call_id=CALL, mode="host", max_message_tokens=10_000)
+    sampler = Sampler(model, spec, pad_id=0)
+    prompts = _prompts(6, tuple(range(3, 19)))
+    started = sampler.start(prompts, key=jax.random.key(4), sampling=sampling, max_new_tokens=12)
+    paused = np.asarray([1, 2, 7, 12, 15])
+    status = np.full(16, Status.FINISHED, np.int8)
+    status[paused] = Status.AWAITING_ENV
+    T = started.tokens.shape[1]
+    started = started.replace(status=jnp.asarray(status), budget=jnp.full((16,), T, jnp.int32))
+    obs = [[30 + b, 31, 32][: 1 + b % 3] if b in paused else None for b in range(16)]
+    taken = []
+    take = sampler._take
+    sampler._take = lambda state, rows: taken.append(len(rows)) or take(state, rows)
+    runs = {}
+    for how, rows_of in (("whole", lambda *a: None), ("part", sampler._resumed_rows)):
+        sampler._resumed_rows = rows_of
+        state = sampler.resume(jax.tree.map(jnp.copy, started), obs, sampling=sampling)
+        runs[how] = state.replace(key=None)
+    assert taken == [6]
+    whole, part = (jax.tree.map(np.asarray, runs[k]) for k in ("whole", "part"))
+    assert (part.length[paused] > np.asarray(started.length)[paused] + 1).all()  # decoded on
+    for name in ("tokens", "roles", "segments", "length", "status", "step"):
+        np.testing.assert_array_equal(getattr(part, name), getattr(whole, name), err_msg=name)
+    np.testing.assert_allclose(part.logprobs, whole.logprobs, atol=1e-5)
+    for got, want in ((part.cache.k, whole.cache.k), (part.cache.v, whole.cache.v)):
+        for b in paused:
+            n = whole.length[b] - 1
+            np.testing.assert_allclose(got[:, b, :n], want[:, b, :n], atol=1e-5)
 
 
 def _chunk(obs):

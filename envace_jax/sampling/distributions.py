@@ -13,6 +13,7 @@ recomputes log-probs with a plain softmax, so truncation would bias the importan
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -129,25 +130,47 @@ def _mask_outside_support(logits, head, k, top_p):
 
 
 def sample_next(
-    logits: jax.Array, key: jax.Array, params: SamplingParams | RowSampling
+    logits: jax.Array,
+    key: jax.Array,
+    params: SamplingParams | RowSampling,
+    noise_rows: jax.Array | None = None,
+    noise_batch: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Picks one token per row. logits: f32 [B, V]. Returns (tokens int32 [B], logprobs f32 [B])."""
+    """Picks one token per row. logits: f32 [B, V]. Returns (tokens int32 [B], logprobs f32 [B]).
+
+    noise_rows [B] / noise_batch (static): the rows are rows `noise_rows` of a `noise_batch`-row
+    batch, and each samples with that row's noise (`categorical`)."""
     logits = logits.astype(jnp.float32)
+    draw = functools.partial(categorical, rows=noise_rows, batch=noise_batch)
     if isinstance(params, RowSampling):
-        return _sample_rows(logits, key, params)
+        return _sample_rows(logits, key, params, draw)
     temperature = 1.0 if params.greedy else params.temperature
     scaled = logits / temperature
     logprobs_all = jax.nn.log_softmax(scaled, axis=-1)
     if params.greedy:
         tokens = jnp.argmax(logits, axis=-1)
     else:
-        tokens = jax.random.categorical(key, truncate_logits(scaled, params.top_k, params.top_p))
+        tokens = draw(key, truncate_logits(scaled, params.top_k, params.top_p))
     tokens = tokens.astype(jnp.int32)
     chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen
 
 
-def _sample_rows(logits: jax.Array, key: jax.Array, p: RowSampling) -> tuple[jax.Array, jax.Array]:
+def categorical(
+    key: jax.Array, logits: jax.Array, rows: jax.Array | None = None, batch: int | None = None
+) -> jax.Array:
+    """`jax.random.categorical` over the last axis of logits [B, V]. With `rows` [B] and
+    `batch`: row b draws the Gumbel noise of row rows[b] of a [batch, V] draw, so a subset of
+    a batch (the rows still running) samples the tokens the whole batch would."""
+    if rows is None:
+        return jax.random.categorical(key, logits)
+    noise = jax.random.gumbel(key, (batch, logits.shape[-1]), logits.dtype)
+    return jnp.argmax(noise[rows] + logits, axis=-1)
+
+
+def _sample_rows(
+    logits: jax.Array, key: jax.Array, p: RowSampling, draw=categorical
+) -> tuple[jax.Array, jax.Array]:
     scaled = logits / jnp.where(p.greedy, 1.0, p.temperature)[:, None]
     logprobs_all = jax.nn.log_softmax(scaled, axis=-1)
     V = logits.shape[-1]
@@ -159,7 +182,7 @@ def _sample_rows(logits: jax.Array, key: jax.Array, p: RowSampling) -> tuple[jax
         lambda: truncate_rows(scaled, p.top_k, p.top_p),
         lambda: scaled,
     )
-    sampled = jax.random.categorical(key, support)
+    sampled = draw(key, support)
     tokens = jnp.where(p.greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen

@@ -232,6 +232,8 @@ def _step(
     sampling: SamplingParams | RowSampling,
     window: int,
     s: LoopState,
+    noise_rows: jax.Array | None = None,
+    noise_batch: int | None = None,
 ) -> LoopState:
     """One token for every running row; every row's length must be <= `window`."""
     rows = jnp.arange(s.tokens.shape[0])
@@ -239,7 +241,8 @@ def _step(
     last = s.length - 1
     inp = s.tokens[rows, last][:, None]
     logits, cache = model(inp, last[:, None], cache=s.cache, kv_window=window)
-    sampled, logprob = sample_next(logits[:, 0], jax.random.fold_in(s.key, s.step), sampling)
+    key = jax.random.fold_in(s.key, s.step)
+    sampled, logprob = sample_next(logits[:, 0], key, sampling, noise_rows, noise_batch)
     written, w = _write_token(s, sampled, logprob)
     return _transition(spec, written, w).replace(cache=cache, step=s.step + 1)
 
@@ -352,6 +355,8 @@ def decode(
     sampling: SamplingParams | RowSampling,
     max_steps: int | jax.Array,
     windows: tuple[int, ...] | None = None,
+    noise_rows: jax.Array | None = None,
+    noise_batch: int | None = None,
 ) -> LoopState:
     """Runs `_step` until no row is RUNNING or `max_steps` more steps were taken.
 
@@ -362,6 +367,8 @@ def decode(
 
     sampling: `SamplingParams` (static: jit with it in static_argnames) or `RowSampling`
     (arrays [B]: a traced argument).
+    noise_rows [B] / noise_batch (static): the state holds rows `noise_rows` of a
+    `noise_batch`-row state (`take_rows`), and samples the tokens that state would.
     """
     stop_at = state.step + jnp.asarray(max_steps, jnp.int32)
     T = state.tokens.shape[1]
@@ -376,10 +383,39 @@ def decode(
             return running & (jnp.max(s.length) <= window)
 
         def body(s, window=window):
-            return _step(graphdef, params, spec, sampling, window, s)
+            return _step(graphdef, params, spec, sampling, window, s, noise_rows, noise_batch)
 
         state = jax.lax.while_loop(cond, body, state)
     return state
+
+
+# LoopState fields that are not per row: everything else is [B, ...], and the cache [L, B, ...].
+_SHARED_FIELDS = ("cache", "key", "step")
+
+
+def take_rows(state: LoopState, rows: jax.Array) -> LoopState:
+    """The state of rows `rows` [b] alone: a smaller batch that decodes as those rows would
+    (with `decode(noise_rows=rows)`), for a host turn that resumes only some rows."""
+    per_row = {
+        f.name: getattr(state, f.name)[rows]
+        for f in dataclasses.fields(state)
+        if f.name not in _SHARED_FIELDS
+    }
+    cache = state.cache.replace(k=state.cache.k[:, rows], v=state.cache.v[:, rows])
+    return state.replace(cache=cache, **per_row)
+
+
+def put_rows(state: LoopState, part: LoopState, rows: jax.Array) -> LoopState:
+    """`state` with rows `rows` [b] replaced by `part` (a `take_rows` state decoded on), and
+    its step counter."""
+    per_row = {
+        f.name: getattr(state, f.name).at[rows].set(getattr(part, f.name))
+        for f in dataclasses.fields(state)
+        if f.name not in _SHARED_FIELDS
+    }
+    k = state.cache.k.at[:, rows].set(part.cache.k)
+    v = state.cache.v.at[:, rows].set(part.cache.v)
+    return state.replace(cache=state.cache.replace(k=k, v=v), step=part.step, **per_row)
 
 
 def append_tokens(

@@ -30,6 +30,7 @@ from flax import nnx
 from envace_jax import parallel
 from envace_jax.sampling import loop
 from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.text.codes import Status
 
 
 def pow2_bucket(n: int, minimum: int = 16) -> int:
@@ -63,9 +64,11 @@ class Sampler:
         self._decode = jax.jit(
             loop.decode,
             static_argnums=(0,),
-            static_argnames=("spec", "sampling"),
+            static_argnames=("spec", "sampling", "noise_batch"),
             donate_argnums=(2,),
         )
+        self._take = jax.jit(loop.take_rows)
+        self._put_rows = jax.jit(loop.put_rows, donate_argnums=(0,))
         self._append = jax.jit(
             loop.append_tokens,
             static_argnums=(0,),
@@ -163,11 +166,23 @@ class Sampler:
         C = pow2_bucket(_agreed(max((len(o) for o in observations if o), default=1), layout))
         chunk = pad_rows([o or [] for o in observations], C, self.pad_id)
         lens = np.asarray([len(o or []) for o in observations], np.int32)
+        rows = self._resumed_rows(state, lens, layout)
+        if rows is not None:  # only these rows go on: decode them as a smaller batch
+            B = state.tokens.shape[0]
+            part = self._take(state, jnp.asarray(rows))
+            part = self._continue(part, chunk[rows], lens[rows], sampling, None, (rows, B))
+            return self._put_rows(state, part, jnp.asarray(rows))
+        return self._continue(state, chunk, lens, sampling, layout)
+
+    def _continue(self, state, chunk, lens, sampling, layout, noise=None):
+        """Appends `chunk` [B, C] (lens [B]) and decodes; noise: (rows, batch) of a state that
+        `take_rows` made, which then samples as those rows of the whole batch would."""
         T = state.tokens.shape[1]
         # The chunk attends over the slots its rows can reach, not the whole buffer.
         lengths = state.length if layout is None else layout.to_local(state.length)
-        reach = _agreed(int(np.max(np.asarray(lengths))) + C + 1, layout)
+        reach = _agreed(int(np.max(np.asarray(lengths))) + chunk.shape[1] + 1, layout)
         window = next((w for w in loop.attention_windows(T) if w >= reach), T)
+        noise_rows, noise_batch = (None, None) if noise is None else noise
         with _on_mesh(layout):
             state = self._append(
                 self.graphdef,
@@ -178,8 +193,32 @@ class Sampler:
                 kv_window=window,
             )
             return self._decode(
-                self.graphdef, self.params, state, spec=self.spec, sampling=sampling, max_steps=T
+                self.graphdef,
+                self.params,
+                state,
+                spec=self.spec,
+                sampling=sampling,
+                max_steps=T,
+                noise_rows=None if noise_rows is None else jnp.asarray(noise_rows, jnp.int32),
+                noise_batch=noise_batch,
             )
+
+    def _resumed_rows(self, state, lens, layout) -> np.ndarray | None:
+        """The rows a host turn resumes (given an observation, or still running), padded with
+        stopped rows to a multiple of B / 8, when that is fewer than the batch; else None.
+        A resumed call then costs about the rows still going rather than the whole batch."""
+        if layout is not None and layout.mesh is not None and jax.process_count() > 1:
+            return None  # the rows live on several hosts: keep the global batch
+        B = state.tokens.shape[0]
+        status = np.asarray(state.status)
+        going = ((lens > 0) & (status == Status.AWAITING_ENV)) | (status == Status.RUNNING)
+        step = max(B // 8, 1)
+        b = max(-(-int(going.sum()) // step) * step, step)
+        devices = 1 if layout is None or layout.mesh is None else layout.mesh.size
+        if b >= B or b % devices:
+            return None
+        stopped = np.flatnonzero(~going)
+        return np.sort(np.concatenate([np.flatnonzero(going), stopped[: b - going.sum()]]))
 
     def generate(
         self,
