@@ -258,11 +258,11 @@ def test_resuming_some_rows_as_a_smaller_batch_matches_the_whole_batch(model, sa
     take = sampler._take
     sampler._take = lambda state, rows: taken.append(len(rows)) or take(state, rows)
     runs = {}
-    for how, rows_of in (("whole", lambda *a: None), ("part", sampler._resumed_rows)):
-        sampler._resumed_rows = rows_of
+    for how, rows_of in (("whole", lambda *a: None), ("part", sampler._rows_bucket)):
+        sampler._rows_bucket = rows_of
         state = sampler.resume(jax.tree.map(jnp.copy, started), obs, sampling=sampling)
         runs[how] = state.replace(key=None)
-    assert taken == [6]
+    assert taken[0] == 6  # (and smaller ones once most of those stopped)
     whole, part = (jax.tree.map(np.asarray, runs[k]) for k in ("whole", "part"))
     assert (part.length[paused] > np.asarray(started.length)[paused] + 1).all()  # decoded on
     for name in ("tokens", "roles", "segments", "length", "status", "step"):
@@ -272,6 +272,29 @@ def test_resuming_some_rows_as_a_smaller_batch_matches_the_whole_batch(model, sa
         for b in paused:
             n = whole.length[b] - 1
             np.testing.assert_allclose(got[:, b, :n], want[:, b, :n], atol=1e-5)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(greedy=True), SamplingParams(1.0)])
+def test_decoding_on_with_the_running_rows_alone_matches_the_whole_batch(model, sampling):
+    """Once fewer than half of the rows run, the rest decode as a smaller batch, and again:
+    the tokens are those of decoding the whole batch to the end."""
+    sampler = Sampler(model, GENERATE, pad_id=0)
+    prompts = _prompts(7, tuple(range(3, 19)))
+    budgets = [2 + 3 * b for b in range(16)]  # rows stop one after another
+    taken = []
+    take = sampler._take
+    sampler._take = lambda state, rows: taken.append(len(rows)) or take(state, rows)
+    runs = {}
+    for how, rows_of in (("whole", lambda *a: None), ("part", sampler._rows_bucket)):
+        sampler._rows_bucket = rows_of
+        runs[how] = sampler.generate(
+            prompts, key=jax.random.key(5), sampling=sampling, max_new_tokens=budgets
+        )
+    assert taken == [8, 4, 2]
+    whole, part = runs["whole"], runs["part"]
+    for name in ("tokens", "roles", "segments", "lengths", "status"):
+        np.testing.assert_array_equal(getattr(part, name), getattr(whole, name), err_msg=name)
+    np.testing.assert_allclose(part.logprobs, whole.logprobs, atol=1e-5)
 
 
 def _chunk(obs):

@@ -357,8 +357,10 @@ def decode(
     windows: tuple[int, ...] | None = None,
     noise_rows: jax.Array | None = None,
     noise_batch: int | None = None,
+    min_running: int | jax.Array = 1,
 ) -> LoopState:
-    """Runs `_step` until no row is RUNNING or `max_steps` more steps were taken.
+    """Runs `_step` until fewer than `min_running` rows (at least one) are RUNNING or
+    `max_steps` more steps were taken.
 
     The steps run in phases, one per cache window (default `attention_windows(T)`, ending with
     T): a phase attends over its window's slots and lasts while every row (running or not:
@@ -369,8 +371,10 @@ def decode(
     (arrays [B]: a traced argument).
     noise_rows [B] / noise_batch (static): the state holds rows `noise_rows` of a
     `noise_batch`-row state (`take_rows`), and samples the tokens that state would.
+    min_running: stop early, for a caller that goes on with the running rows alone.
     """
     stop_at = state.step + jnp.asarray(max_steps, jnp.int32)
+    least = jnp.maximum(jnp.asarray(min_running, jnp.int32), 1)
     T = state.tokens.shape[1]
     windows = attention_windows(T) if windows is None else windows
     if windows[-1] != T or list(windows) != sorted(set(windows)):
@@ -379,7 +383,7 @@ def decode(
     for window in windows:
 
         def cond(s, window=window):
-            running = jnp.any(s.status == Status.RUNNING) & (s.step < stop_at)
+            running = (jnp.sum(s.status == Status.RUNNING) >= least) & (s.step < stop_at)
             return running & (jnp.max(s.length) <= window)
 
         def body(s, window=window):
