@@ -1,9 +1,9 @@
 """Mini-replication of the paper's comparison on the demo domain.
 
-    python -m envace_jax.experiments.compare --workdir DIR            # full (~75 min on 2 cores)
-    python -m envace_jax.experiments.compare --workdir DIR --quick    # quick (~11 min)
+    python -m envace_jax.experiments.compare --workdir DIR            # full (~59 min on 2 cores)
+    python -m envace_jax.experiments.compare --workdir DIR --quick    # quick (~8 min)
     python -m envace_jax.experiments.compare --workdir DIR --set rollout.group_size=8  # any key
-    python -m envace_jax.experiments.compare --workdir DIR --modes sft_only,grpo_real_env  # ~23 min
+    python -m envace_jax.experiments.compare --workdir DIR --modes sft_only,grpo_real_env  # ~14 min
 
 Every arm (`verdicts.ARMS`: a training mode, in each rehearsal view where it rehearses; or
 those `--modes` names) x 3 seeds, with the same budget,
