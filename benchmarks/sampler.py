@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import tempfile
 import time
 
@@ -74,6 +76,11 @@ def best_of(fn, repeats):
     return min(times)
 
 
+def random_prompts(batch, prompt_len, vocab):
+    """The prompts every side decodes: token ids drawn past the special ids, seed 0."""
+    return np.random.default_rng(0).integers(20, vocab, size=(batch, prompt_len))
+
+
 def generate_pair(ckpt, model, batch, prompt_len, new_tokens):
     """(ours(n), theirs(n)): greedy generation of n new tokens for the same random prompts,
     each returning the new tokens [batch, n]."""
@@ -81,8 +88,7 @@ def generate_pair(ckpt, model, batch, prompt_len, new_tokens):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(20, model.cfg.vocab_size, size=(batch, prompt_len))
+    prompts = random_prompts(batch, prompt_len, model.cfg.vocab_size)
     # No stop id can end rows early: both sides decode exactly the asked tokens per row.
     spec = loop.TurnSpec(end_id=-1, tool_call_id=-1, mode="generate", max_message_tokens=10**6)
     sampler = Sampler(model, spec, pad_id=0)
@@ -113,7 +119,7 @@ def generate_pair(ckpt, model, batch, prompt_len, new_tokens):
 
 def bench_generate(ckpt, model, batch, prompt_len, new_tokens, repeats):
     """(our tokens/s, transformers tokens/s, share of identical greedy tokens, our decode steps
-    per second with prefill taken out)."""
+    per second with prefill taken out, our new tokens)."""
     ours, theirs = generate_pair(ckpt, model, batch, prompt_len, new_tokens)
     mine, hf_tokens = ours(new_tokens), theirs(new_tokens)  # compile / warm up
     ours(1)
@@ -122,7 +128,24 @@ def bench_generate(ckpt, model, batch, prompt_len, new_tokens, repeats):
     t_hf = best_of(lambda: theirs(new_tokens), repeats)
     n = batch * new_tokens
     steps_per_s = (new_tokens - 1) / max(t_ours - t_prefill, 1e-9)
-    return n / t_ours, n / t_hf, float((hf_tokens == mine).mean()), steps_per_s
+    return n / t_ours, n / t_hf, float((hf_tokens == mine).mean()), steps_per_s, mine
+
+
+def bench_tunix(python, ckpt, prompts, new_tokens, repeats):
+    """Tunix's sampler on the same checkpoint and prompts, run by `python` (a venv with
+    google-tunix) through `tunix_peer.py`: (tokens/s, its new tokens)."""
+    peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tunix_peer.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(os.path.join(tmp, "prompts.npy"), prompts)
+        out = os.path.join(tmp, "tunix.json")
+        cmd = [python, peer, "--checkpoint", ckpt, "--prompts", os.path.join(tmp, "prompts.npy")]
+        cmd += ["--new-tokens", str(new_tokens), "--repeats", str(repeats), "--out", out]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"tunix_peer.py failed under {python}:\n{done.stderr[-2000:]}")
+        with open(out) as f:
+            got = json.load(f)
+    return got["tokens_per_s"], np.asarray(got["tokens"])
 
 
 def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -147,7 +170,9 @@ def bench_real_model(path, batches, prompt_len, new_tokens, repeats):
     print(f"array copy bandwidth: {bandwidth / 1e9:.1f} GB/s")
     rows = []
     for batch in batches:
-        ours, hf, agree, steps = bench_generate(path, model, batch, prompt_len, new_tokens, repeats)
+        ours, hf, agree, steps, _ = bench_generate(
+            path, model, batch, prompt_len, new_tokens, repeats
+        )
         step_bytes = decode_step_bytes(cfg, batch, prompt_len + new_tokens / 2, weight_bytes)
         rows.append(
             {
@@ -212,7 +237,10 @@ def bench_rehearsal(model, batch, repeats):
     tok = load_tokenizer("demo")
     forced, refs, prompts, T = scripted_rehearsal(model, batch)
     greedy = SamplingParams(greedy=True)
-    in_loop = Sampler(forced, turn_spec(tok, mode="rehearse", max_turns=16), pad_id=0)
+    # The forced model reads its script by row, so every call keeps the whole batch.
+    in_loop = Sampler(
+        forced, turn_spec(tok, mode="rehearse", max_turns=16), pad_id=0, compact_rows=False
+    )
 
     def ours():
         state = in_loop.start(
@@ -228,7 +256,9 @@ def bench_rehearsal(model, batch, repeats):
 
     # Host loop: every message is its own generate call; glue is appended on the host and the
     # whole history is prefilled again for the next message.
-    per_message = Sampler(forced, turn_spec(tok, mode="generate", max_turns=16), pad_id=0)
+    per_message = Sampler(
+        forced, turn_spec(tok, mode="generate", max_turns=16), pad_id=0, compact_rows=False
+    )
     boundaries = [_message_bounds(r) for r in refs]
 
     def host_loop():
@@ -323,6 +353,10 @@ def main():
     ap.add_argument("--json", help="also write the figures to this JSON file")
     ap.add_argument("--model", help="an HF checkpoint directory: greedy decoding at its size")
     ap.add_argument("--batches", default="1,8,32", help="batch sizes with --model")
+    ap.add_argument(
+        "--tunix-python",
+        help="the python of a venv with google-tunix: also time Tunix's sampler (tiny model)",
+    )
     args = ap.parse_args()
     if args.model:
         batches = [int(b) for b in args.batches.split(",")]
@@ -338,9 +372,14 @@ def main():
         make_checkpoint(ckpt, len(tok))
         model, cfg = load_hf_model(ckpt)
         print(f"tiny Qwen3: {cfg.num_params / 1e6:.2f}M params, backend {jax.default_backend()}")
-        ours, hf, agree, _ = bench_generate(
-            ckpt, model, args.batch, args.prompt or 64, args.new_tokens, args.repeats
+        prompt = args.prompt or 64
+        ours, hf, agree, _, mine = bench_generate(
+            ckpt, model, args.batch, prompt, args.new_tokens, args.repeats
         )
+        peer = None
+        if args.tunix_python:
+            prompts = random_prompts(args.batch, prompt, cfg.vocab_size)
+            peer = bench_tunix(args.tunix_python, ckpt, prompts, args.new_tokens, args.repeats)
     traj_ours, traj_host, mean_len, messages = bench_rehearsal(model, args.batch, args.repeats)
     phased, whole, buffer, same = bench_windows(model, args.batch, args.repeats)
     rows = [
@@ -348,6 +387,14 @@ def main():
         ("greedy generate, tokens/s (transformers)", hf),
         ("  ratio (target >= 3x)", ours / hf),
         ("  greedy tokens identical", agree),
+    ]
+    if peer is not None:
+        rows += [
+            ("greedy generate, tokens/s (Tunix sampler)", peer[0]),
+            ("  ratio over Tunix (target >= 1x)", ours / peer[0]),
+            ("  greedy tokens identical to Tunix's", float((peer[1] == mine).mean())),
+        ]
+    rows += [
         ("world rehearsal, trajectories/s (in-loop switching)", traj_ours),
         ("world rehearsal, trajectories/s (host loop + re-prefill)", traj_host),
         ("  ratio (target >= 2x)", traj_ours / traj_host),
@@ -368,6 +415,15 @@ def main():
                     "generate_tokens_per_s": ours,
                     "hf_tokens_per_s": hf,
                     "generate_ratio": ours / hf,
+                    **(
+                        {}
+                        if peer is None
+                        else {
+                            "tunix_tokens_per_s": peer[0],
+                            "tunix_ratio": ours / peer[0],
+                            "tunix_tokens_identical": float((peer[1] == mine).mean()),
+                        }
+                    ),
                     "rehearsal_traj_per_s": traj_ours,
                     "host_loop_traj_per_s": traj_host,
                     "rehearsal_ratio": traj_ours / traj_host,

@@ -134,7 +134,10 @@ def _run(tok, convs, *, mode="rehearse", max_turns=8, max_new_tokens=400, user_t
     for b, r in enumerate(refs):
         script[b, : len(r.ids)] = r.ids
     spec = turn_spec(tok, mode=mode, max_turns=max_turns, max_message_tokens=200)
-    sampler = Sampler(ScriptedModel(script, len(tok)), spec, pad_id=tok.pad_token_id)
+    # The script is read by row, so the batch keeps every row.
+    sampler = Sampler(
+        ScriptedModel(script, len(tok)), spec, pad_id=tok.pad_token_id, compact_rows=False
+    )
     out = sampler.generate(
         prompts,
         key=jax.random.key(0),

@@ -278,19 +278,20 @@ def test_resuming_some_rows_as_a_smaller_batch_matches_the_whole_batch(model, sa
 def test_decoding_on_with_the_running_rows_alone_matches_the_whole_batch(model, sampling):
     """Once fewer than half of the rows run, the rest decode as a smaller batch, and again:
     the tokens are those of decoding the whole batch to the end."""
-    sampler = Sampler(model, GENERATE, pad_id=0)
     prompts = _prompts(7, tuple(range(3, 19)))
     budgets = [2 + 3 * b for b in range(16)]  # rows stop one after another
-    taken = []
-    take = sampler._take
-    sampler._take = lambda state, rows: taken.append(len(rows)) or take(state, rows)
-    runs = {}
-    for how, rows_of in (("whole", lambda *a: None), ("part", sampler._rows_bucket)):
-        sampler._rows_bucket = rows_of
+    runs, taken = {}, {}
+    for how, compact in (("whole", False), ("part", True)):
+        sampler = Sampler(model, GENERATE, pad_id=0, compact_rows=compact)
+        taken[how] = []
+        take = sampler._take
+        sampler._take = lambda state, rows, t=taken[how], take=take: (
+            t.append(len(rows)) or take(state, rows)
+        )
         runs[how] = sampler.generate(
             prompts, key=jax.random.key(5), sampling=sampling, max_new_tokens=budgets
         )
-    assert taken == [8, 4, 2]
+    assert taken == {"whole": [], "part": [8, 4, 2]}
     whole, part = runs["whole"], runs["part"]
     for name in ("tokens", "roles", "segments", "lengths", "status"):
         np.testing.assert_array_equal(getattr(part, name), getattr(whole, name), err_msg=name)

@@ -52,12 +52,18 @@ def pad_rows(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> np.ndarr
 
 
 class Sampler:
-    """Compiled decoding for one model and one chat layout (`loop.TurnSpec`)."""
+    """Compiled decoding for one model and one chat layout (`loop.TurnSpec`).
 
-    def __init__(self, model: nnx.Module, spec: loop.TurnSpec, *, pad_id: int):
+    compact_rows: rows still going decode on as a smaller batch (see `_decode_all`), on one
+    device; off for a model whose output depends on a row's place in the batch."""
+
+    def __init__(
+        self, model: nnx.Module, spec: loop.TurnSpec, *, pad_id: int, compact_rows: bool = True
+    ):
         self.graphdef, self.params = nnx.split(model)
         self.spec = spec
         self.pad_id = int(pad_id)
+        self.compact_rows = compact_rows
         self._init = jax.jit(
             loop.init_state, static_argnums=(0,), static_argnames=("spec", "max_len")
         )
@@ -163,7 +169,7 @@ class Sampler:
         C = pow2_bucket(_agreed(max((len(o) for o in observations if o), default=1), layout))
         chunk = pad_rows([o or [] for o in observations], C, self.pad_id)
         lens = np.asarray([len(o or []) for o in observations], np.int32)
-        status = np.asarray(state.status) if _one_device(layout) else None
+        status = np.asarray(state.status) if self._compacts(layout) else None
         going = None if status is None else (lens > 0) & (status == Status.AWAITING_ENV)
         rows = None if going is None else self._rows_bucket(going)
         if rows is None:
@@ -199,7 +205,7 @@ class Sampler:
         `take_rows` made: it samples as those rows of the whole batch would."""
         B, T = state.tokens.shape
         noise_rows, noise_batch = (None, None) if noise is None else noise
-        shrinks = shrink and _one_device(layout) and B > _row_step(noise_batch or B)
+        shrinks = shrink and self._compacts(layout) and B > _row_step(noise_batch or B)
         with _on_mesh(layout):
             state = self._decode(
                 self.graphdef,
@@ -224,6 +230,9 @@ class Sampler:
         inner = (rows, B) if noise_rows is None else (np.asarray(noise_rows)[rows], noise_batch)
         part = self._decode_all(part, sampling, None, inner)
         return self._put_rows(state, part, jnp.asarray(rows))
+
+    def _compacts(self, layout: parallel.RowLayout | None) -> bool:
+        return self.compact_rows and _one_device(layout)
 
     @staticmethod
     def _rows_bucket(going: np.ndarray, batch: int | None = None) -> np.ndarray | None:
