@@ -136,9 +136,9 @@ def bench_tunix(python, ckpt, prompts, new_tokens, repeats):
     google-tunix) through `tunix_peer.py`: (tokens/s, its new tokens)."""
     peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tunix_peer.py")
     with tempfile.TemporaryDirectory() as tmp:
-        np.save(os.path.join(tmp, "prompts.npy"), prompts)
-        out = os.path.join(tmp, "tunix.json")
-        cmd = [python, peer, "--checkpoint", ckpt, "--prompts", os.path.join(tmp, "prompts.npy")]
+        prompts_file, out = os.path.join(tmp, "prompts.npy"), os.path.join(tmp, "tunix.json")
+        np.save(prompts_file, prompts)
+        cmd = [python, peer, "--checkpoint", ckpt, "--prompts", prompts_file]
         cmd += ["--new-tokens", str(new_tokens), "--repeats", str(repeats), "--out", out]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
@@ -376,10 +376,17 @@ def main():
         ours, hf, agree, _, mine = bench_generate(
             ckpt, model, args.batch, prompt, args.new_tokens, args.repeats
         )
-        peer = None
+        tunix = {}
         if args.tunix_python:
             prompts = random_prompts(args.batch, prompt, cfg.vocab_size)
-            peer = bench_tunix(args.tunix_python, ckpt, prompts, args.new_tokens, args.repeats)
+            rate, theirs = bench_tunix(
+                args.tunix_python, ckpt, prompts, args.new_tokens, args.repeats
+            )
+            tunix = {
+                "tunix_tokens_per_s": rate,
+                "tunix_ratio": ours / rate,
+                "tunix_tokens_identical": float((theirs == mine).mean()),
+            }
     traj_ours, traj_host, mean_len, messages = bench_rehearsal(model, args.batch, args.repeats)
     phased, whole, buffer, same = bench_windows(model, args.batch, args.repeats)
     rows = [
@@ -388,11 +395,11 @@ def main():
         ("  ratio (target >= 3x)", ours / hf),
         ("  greedy tokens identical", agree),
     ]
-    if peer is not None:
+    if tunix:
         rows += [
-            ("greedy generate, tokens/s (Tunix sampler)", peer[0]),
-            ("  ratio over Tunix (target >= 1x)", ours / peer[0]),
-            ("  greedy tokens identical to Tunix's", float((peer[1] == mine).mean())),
+            ("greedy generate, tokens/s (Tunix sampler)", tunix["tunix_tokens_per_s"]),
+            ("  ratio over Tunix (target >= 1x)", tunix["tunix_ratio"]),
+            ("  greedy tokens identical to Tunix's", tunix["tunix_tokens_identical"]),
         ]
     rows += [
         ("world rehearsal, trajectories/s (in-loop switching)", traj_ours),
@@ -415,15 +422,7 @@ def main():
                     "generate_tokens_per_s": ours,
                     "hf_tokens_per_s": hf,
                     "generate_ratio": ours / hf,
-                    **(
-                        {}
-                        if peer is None
-                        else {
-                            "tunix_tokens_per_s": peer[0],
-                            "tunix_ratio": ours / peer[0],
-                            "tunix_tokens_identical": float((peer[1] == mine).mean()),
-                        }
-                    ),
+                    **tunix,
                     "rehearsal_traj_per_s": traj_ours,
                     "host_loop_traj_per_s": traj_host,
                     "rehearsal_ratio": traj_ours / traj_host,
