@@ -78,8 +78,7 @@ def layer_weights(model) -> list[dict]:
 def layered_step(cfg, weights, embed, final_scale, lm_head, ks, vs, tok, pos):
     """Greedy tokens [B] and the updated per-layer caches for tokens [B, 1] at positions [B, 1]."""
     B = tok.shape[0]
-    E, H, K, D, F = (
-        cfg.hidden_size,
+    H, K, D, F = (
         cfg.num_heads,
         cfg.num_kv_heads,
         cfg.head_dim,
@@ -91,7 +90,7 @@ def layered_step(cfg, weights, embed, final_scale, lm_head, ks, vs, tok, pos):
     x = jnp.take(embed, tok[:, 0], axis=0)
     sin, cos = rope_tables(pos, cfg)
     new_k, new_v = [], []
-    for w, kc, vc in zip(weights, ks, vs):
+    for w, kc, vc in zip(weights, ks, vs, strict=True):
         h = rms_norm(x, w["attn_norm"], eps) @ w["qkv"]
         q = h[:, : H * D].reshape(B, 1, H, D)
         k = h[:, H * D : (H + K) * D].reshape(B, 1, K, D)

@@ -63,6 +63,8 @@ def make_checkpoint(out_dir: str, vocab: int) -> None:
         head_dim=32,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
+        # Qwen3's own base; Tunix 0.1.7's Qwen3 applies this one whatever its config says.
+        rope_theta=1e6,
     )
     Qwen3ForCausalLM(cfg).eval().save_pretrained(out_dir)
 

@@ -21,6 +21,8 @@ from tunix.generate import sampler as tunix_sampler
 from tunix.models.qwen3 import model as qwen3_model
 from tunix.models.qwen3 import params as qwen3_params
 
+TUNIX_ROPE_THETA = 1_000_000  # the base Tunix's Qwen3 rotates with
+
 
 class IdTokenizer:
     """Prompts travel as space-separated token ids, so both sides decode the same ids."""
@@ -44,6 +46,13 @@ class IdTokenizer:
 def model_config(hf: dict) -> qwen3_model.ModelConfig:
     # transformers 5 writes rope_theta under rope_parameters; older configs keep it on top.
     theta = hf.get("rope_parameters", {}).get("rope_theta", hf.get("rope_theta"))
+    if theta != TUNIX_ROPE_THETA:
+        # Tunix 0.1.7's Qwen3 attention calls apply_rope with its default base and never
+        # reads ModelConfig.rope_theta, so it would decode another function.
+        raise SystemExit(
+            f"config.json rope_theta is {theta}; Tunix's Qwen3 always rotates with"
+            f" {TUNIX_ROPE_THETA:,}, so it cannot run this checkpoint as transformers does"
+        )
     return qwen3_model.ModelConfig(
         num_layers=hf["num_hidden_layers"],
         vocab_size=hf["vocab_size"],
