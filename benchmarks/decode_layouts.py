@@ -58,21 +58,18 @@ def layer_weights(model) -> list[dict]:
         -1,
     )
     gate_up = np.concatenate([get(mlp["gate_proj"]["kernel"]), get(mlp["up_proj"]["kernel"])], -1)
-    out = []
-    for i in range(L):
-        w = {
-            "qkv": qkv[i],
-            "o": get(attn["o_proj"]["kernel"])[i].reshape(H * D, E),
-            "gate_up": gate_up[i],
-            "down": get(mlp["down_proj"]["kernel"])[i],
-            "attn_norm": get(st["attn_norm"]["scale"])[i],
-            "mlp_norm": get(st["mlp_norm"]["scale"])[i],
-        }
-        if cfg.qk_norm:
-            w["q_norm"] = get(attn["q_norm"]["scale"])[i]
-            w["k_norm"] = get(attn["k_norm"]["scale"])[i]
-        out.append({k: jnp.asarray(v) for k, v in w.items()})
-    return out
+    stacked = {
+        "qkv": qkv,
+        "o": get(attn["o_proj"]["kernel"]).reshape(L, H * D, E),
+        "gate_up": gate_up,
+        "down": get(mlp["down_proj"]["kernel"]),
+        "attn_norm": get(st["attn_norm"]["scale"]),
+        "mlp_norm": get(st["mlp_norm"]["scale"]),
+    }
+    if cfg.qk_norm:
+        stacked["q_norm"] = get(attn["q_norm"]["scale"])
+        stacked["k_norm"] = get(attn["k_norm"]["scale"])
+    return [{name: jnp.asarray(a[i]) for name, a in stacked.items()} for i in range(L)]
 
 
 def layered_step(cfg, weights, embed, final_scale, lm_head, ks, vs, tok, pos):
