@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from envace_jax.models.config import ModelConfig
+from envace_jax.models.decoder import CausalLM
 from envace_jax.sampling.chat_spec import later_user_turns, observation_ids, turn_spec
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.loop import to_trajectories
@@ -87,7 +88,7 @@ def _conversation(two_users=False):
     return msgs
 
 
-class ScriptedModel(nnx.Module):
+class ScriptedModel(CausalLM):
     """Logits that make `script[b, p + 1]` the certain next token at position p of row b.
 
     A position outside the attended window (`kv_window`) gets flat logits, as a query that
@@ -105,7 +106,7 @@ class ScriptedModel(nnx.Module):
         )
         self.script = nnx.Variable(jnp.asarray(script, jnp.int32))
 
-    def __call__(self, tokens, positions, *, attention_mask=None, cache=None, kv_window=None):
+    def _forward(self, tokens, positions, attention_mask, cache, kv_window):
         script = self.script[...]
         nxt = jnp.take_along_axis(script, jnp.minimum(positions + 1, script.shape[1] - 1), axis=1)
         logits = jax.nn.one_hot(nxt, self.cfg.vocab_size) * 100.0 - 50.0

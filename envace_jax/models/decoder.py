@@ -173,7 +173,10 @@ def _add_kernels(
 
 @struct.dataclass
 class KVCache:
-    """Per-layer keys and values, k and v [L, B, S, K, D]; slot s holds position s."""
+    """Per-layer keys and values, k and v [L, B, S, K, D]; slot s holds position s.
+
+    The row and length operations are methods, so that the decode loop serves any cache type
+    (`models.layered.LayerCache` has the same ones)."""
 
     k: jax.Array
     v: jax.Array
@@ -181,6 +184,42 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
+
+    def take_rows(self, rows: jax.Array) -> KVCache:
+        """The cache of rows `rows` [b] alone."""
+        return KVCache(k=self.k[:, rows], v=self.v[:, rows])
+
+    def put_rows(self, rows: jax.Array, part: KVCache) -> KVCache:
+        """This cache with rows `rows` [b] replaced by `part`'s; rows >= B are dropped."""
+        return KVCache(
+            k=self.k.at[:, rows].set(part.k, mode="drop"),
+            v=self.v.at[:, rows].set(part.v, mode="drop"),
+        )
+
+    def grow(self, max_len: int) -> KVCache:
+        """This cache with `max_len` slots (>= its own); the new ones are empty."""
+        return jax.tree.map(lambda a: zero_pad(a, 2, max_len), self)
+
+    def constrained(self) -> KVCache:
+        """Under a mesh, split over devices like the rows (`CACHE_LOGICAL_AXES`)."""
+        return jax.tree.map(lambda a: with_logical_constraint(a, CACHE_LOGICAL_AXES), self)
+
+    def check(self, cfg: ModelConfig, batch: int) -> None:
+        """Raises ValueError unless this cache fits `cfg` and `batch` rows."""
+        L, B, _, K, D = self.k.shape
+        want = (cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim)
+        if (L, B, K, D) != want or self.v.shape != self.k.shape:
+            raise ValueError(
+                f"KVCache k {self.k.shape} / v {self.v.shape} do not fit this model and "
+                f"batch: expected [L={want[0]}, B={want[1]}, S, K={want[2]}, D={want[3]}]"
+            )
+
+
+def zero_pad(a: jax.Array, axis: int, size: int) -> jax.Array:
+    """`a` zero-padded at the end of `axis` to `size`."""
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, size - a.shape[axis])
+    return jnp.pad(a, widths)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -196,7 +235,7 @@ def query_blocks(length: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, length)) for start in range(0, length, block)]
 
 
-def _attend(qg, keys, values, mask, dt):
+def attend(qg, keys, values, mask, dt):
     """Grouped-query attention: qg [B, T, K, G, D], keys/values [B, S, K, D], mask bool
     [B, T, S] -> [B, T, K, G, D]. Scores and softmax in float32."""
     D = qg.shape[-1]
@@ -262,12 +301,12 @@ class Attention(nnx.Module):
             # sequence's cost (demo policy, 8 x 1,024 tokens: train step 5.2 s -> 2.4 s);
             # the skipped keys were masked, so the result is the same.
             blocks = [
-                _attend(qg[:, a:e], keys[:, :e], values[:, :e], mask[:, a:e, :e], dt)
+                attend(qg[:, a:e], keys[:, :e], values[:, :e], mask[:, a:e, :e], dt)
                 for a, e in query_blocks(T, cfg.query_block)
             ]
             out = jnp.concatenate(blocks, axis=1)
         else:
-            out = _attend(qg, keys, values, mask, dt)
+            out = attend(qg, keys, values, mask, dt)
         out = out.reshape(B, T, K * G, D)
         out = with_logical_constraint(out, ("batch", "length", "act_heads", "head_dim"))
         y = jnp.einsum("bthd,hde->bte", out, self.o_proj.kernel[...].astype(dt))
@@ -334,6 +373,10 @@ class CausalLM(nnx.Module):
         """
         return self._forward(tokens, positions, attention_mask, cache, kv_window)
 
+    def init_cache(self, batch: int, max_len: int):
+        """The empty cache this model decodes `batch` rows of up to `max_len` positions with."""
+        return init_cache(self.cfg, batch, max_len)
+
     def _forward(self, tokens, positions, attention_mask, cache, kv_window):
         raise NotImplementedError
 
@@ -355,7 +398,7 @@ class Decoder(CausalLM):
         arguments are `__call__`'s, and `prefill`'s `fresh`."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
-        _check_inputs(cfg, tokens, positions, attention_mask, cache, kv_window)
+        check_inputs(cfg, tokens, positions, attention_mask, cache, kv_window, KVCache)
         B, T = tokens.shape
         positions = positions.astype(jnp.int32)
 
@@ -444,7 +487,8 @@ class Decoder(CausalLM):
         return logits, new_cache
 
 
-def _check_inputs(cfg, tokens, positions, attention_mask, cache, kv_window):
+def check_inputs(cfg, tokens, positions, attention_mask, cache, kv_window, cache_type):
+    """Raises ValueError, naming the argument, for a call that a `CausalLM` cannot run."""
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     if positions.shape != tokens.shape:
@@ -467,13 +511,12 @@ def _check_inputs(cfg, tokens, positions, attention_mask, cache, kv_window):
             f" {None if cache is None else cache.max_len}]"
         )
     if cache is not None:
-        L, B, _, K, D = cache.k.shape
-        want = (cfg.num_layers, tokens.shape[0], cfg.num_kv_heads, cfg.head_dim)
-        if (L, B, K, D) != want or cache.v.shape != cache.k.shape:
+        if not isinstance(cache, cache_type):
             raise ValueError(
-                f"KVCache k {cache.k.shape} / v {cache.v.shape} do not fit this model and "
-                f"batch: expected [L={want[0]}, B={want[1]}, S, K={want[2]}, D={want[3]}]"
+                f"cache: this model decodes with a {cache_type.__name__}, "
+                f"not a {type(cache).__name__}"
             )
+        cache.check(cfg, tokens.shape[0])
 
 
 def abstract_model(cfg: ModelConfig) -> Decoder:

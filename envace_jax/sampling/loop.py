@@ -43,8 +43,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from envace_jax.models.decoder import CACHE_LOGICAL_AXES, KVCache, init_cache
-from envace_jax.parallel import with_logical_constraint
 from envace_jax.sampling.distributions import RowSampling, SamplingParams, sample_next
 from envace_jax.text.codes import Role, Status
 
@@ -94,7 +92,7 @@ class LoopState:
     logprobs: jax.Array  # float32 [B, T]
     length: jax.Array  # int32 [B]: tokens written
     budget: jax.Array  # int32 [B]: the most tokens the row may hold (<= T)
-    cache: KVCache
+    cache: Any  # the model's (`init_cache`): a models.decoder.KVCache or models.layered.LayerCache
     role: jax.Array  # int8 [B]: role of the message being generated (ACT / REHEARSE)
     segment: jax.Array  # int32 [B]: segments opened so far
     in_message: jax.Array  # bool [B]: a generated message is open
@@ -117,10 +115,10 @@ def prefill(
     model,
     tokens: jax.Array,
     positions: jax.Array,
-    cache: KVCache,
+    cache: Any,
     kv_window: int | None = None,
     fresh: bool = False,
-) -> KVCache:
+) -> Any:
     """Writes tokens into the cache; models with a logit-free `prefill` skip the LM head (and
     with `fresh`, positions 0..T-1 in every row, attend in causal blocks: `Decoder.prefill`)."""
     if hasattr(model, "prefill"):
@@ -182,9 +180,8 @@ def init_state(
     prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
 
     tokens = jnp.zeros((B, max_len), jnp.int32).at[:, :P].set(prompts)
-    cache = init_cache(model.cfg, B, max_len)
     # Under a mesh (a sampler row layout), the cache is split over devices like the rows.
-    cache = jax.tree.map(lambda a: with_logical_constraint(a, CACHE_LOGICAL_AXES), cache)
+    cache = model.init_cache(B, max_len).constrained()
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     cache = prefill(model, prompts, positions, cache, kv_window=P, fresh=True)
     budget = jnp.minimum(prompt_lens + jnp.asarray(max_new_tokens, jnp.int32), max_len)
@@ -393,7 +390,8 @@ def decode(
     return state
 
 
-# LoopState fields that are not per row: everything else is [B, ...], and the cache [L, B, ...].
+# LoopState fields that are not per row: everything else is [B, ...]; the cache has its own
+# row methods.
 _SHARED_FIELDS = ("cache", "key", "step")
 
 
@@ -405,8 +403,7 @@ def take_rows(state: LoopState, rows: jax.Array) -> LoopState:
         for f in dataclasses.fields(state)
         if f.name not in _SHARED_FIELDS
     }
-    cache = state.cache.replace(k=state.cache.k[:, rows], v=state.cache.v[:, rows])
-    return state.replace(cache=cache, **per_row)
+    return state.replace(cache=state.cache.take_rows(rows), **per_row)
 
 
 def put_rows(state: LoopState, part: LoopState, rows: jax.Array) -> LoopState:
@@ -417,9 +414,8 @@ def put_rows(state: LoopState, part: LoopState, rows: jax.Array) -> LoopState:
         for f in dataclasses.fields(state)
         if f.name not in _SHARED_FIELDS
     }
-    k = state.cache.k.at[:, rows].set(part.cache.k)
-    v = state.cache.v.at[:, rows].set(part.cache.v)
-    return state.replace(cache=state.cache.replace(k=k, v=v), step=part.step, **per_row)
+    cache = state.cache.put_rows(rows, part.cache)
+    return state.replace(cache=cache, step=part.step, **per_row)
 
 
 def append_tokens(

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from envace_jax import parallel
+from envace_jax.models.layered import DecodingWeights
 from envace_jax.sampling import loop
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.text.codes import Status
@@ -60,7 +61,8 @@ class Sampler:
     def __init__(
         self, model: nnx.Module, spec: loop.TurnSpec, *, pad_id: int, compact_rows: bool = True
     ):
-        self.graphdef, self.params = nnx.split(model)
+        self._weights = DecodingWeights(model)
+        self.graphdef = self._weights.graphdef
         self.spec = spec
         self.pad_id = int(pad_id)
         self.compact_rows = compact_rows
@@ -83,8 +85,13 @@ class Sampler:
         )
 
     def set_params(self, params) -> None:
-        """Swaps in new parameters (same tree), e.g. after a train step."""
-        self.params = params
+        """Swaps in new parameters (the model's tree), e.g. after a train step."""
+        self._weights.set(params)
+
+    @property
+    def params(self):
+        """The parameters the compiled calls read (`models.layered.DecodingWeights`)."""
+        return self._weights.params
 
     def prefill(
         self,

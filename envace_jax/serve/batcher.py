@@ -58,6 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from envace_jax.models.decoder import zero_pad
+from envace_jax.models.layered import DecodingWeights
 from envace_jax.sampling import loop
 from envace_jax.sampling.distributions import RowSampling, SamplingParams
 from envace_jax.sampling.sampler import pad_rows
@@ -155,11 +157,8 @@ def _insert(big: loop.LoopState, small: loop.LoopState, slots: jax.Array) -> loo
         if name in ("key", "step"):
             continue
         a, b = getattr(big, name), getattr(small, name)
-        if name == "cache":  # k, v [L, B, S, K, D]: batch is axis 1
-            updates[name] = a.replace(
-                k=a.k.at[:, slots].set(b.k, mode="drop"),
-                v=a.v.at[:, slots].set(b.v, mode="drop"),
-            )
+        if name == "cache":
+            updates[name] = a.put_rows(slots, b)
         else:
             updates[name] = a.at[slots].set(b.astype(a.dtype), mode="drop")
     return big.replace(**updates)
@@ -168,19 +167,11 @@ def _insert(big: loop.LoopState, small: loop.LoopState, slots: jax.Array) -> loo
 def _grow(state: loop.LoopState, budget: jax.Array, *, max_len: int) -> loop.LoopState:
     """`state` with a buffer of `max_len` positions (>= its own), each row's budget [B] clipped
     to it. The new positions are empty: no row has written there."""
-    pad = max_len - state.tokens.shape[1]
-
-    def longer(a, axis):
-        widths = [(0, 0)] * a.ndim
-        widths[axis] = (0, pad)
-        return jnp.pad(a, widths)
-
-    per_position = {k: longer(getattr(state, k), 1) for k in ("tokens", "roles", "segments")}
-    cache = state.cache.replace(k=longer(state.cache.k, 2), v=longer(state.cache.v, 2))
+    fields = ("tokens", "roles", "segments", "logprobs")
+    per_position = {k: zero_pad(getattr(state, k), 1, max_len) for k in fields}
     return state.replace(
         **per_position,
-        logprobs=longer(state.logprobs, 1),
-        cache=cache,
+        cache=state.cache.grow(max_len),
         budget=jnp.minimum(budget, max_len).astype(state.budget.dtype),
     )
 
@@ -231,7 +222,8 @@ class Engine:
             raise ValueError(f"Engine needs a TurnSpec in mode 'generate', got {spec.mode!r}")
         if max_batch < 1 or chunk_steps < 1:
             raise ValueError("Engine: max_batch and chunk_steps must be >= 1")
-        self.graphdef, self.params = nnx.split(model)
+        weights = DecodingWeights(model)
+        self.graphdef, self.params = weights.graphdef, weights.params
         self.spec = spec
         self.pad_id = int(pad_id)
         self.max_batch = int(max_batch)
