@@ -182,7 +182,8 @@ def _layer(cfg: ModelConfig, w: LayerWeights, x, sin, cos, positions, mask, kv, 
     B, T, _ = x.shape
     H, K, D, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     eps = cfg.rms_norm_eps
-    h = jnp.einsum("bte,en->btn", rms_norm(x, w.attn_norm[...], eps), w.qkv[...].astype(dt))
+    x = x.reshape(B * T, -1)  # the dense layers are per token: plain [rows, E] matmuls
+    h = (rms_norm(x, w.attn_norm[...], eps) @ w.qkv[...].astype(dt)).reshape(B, T, -1)
     q = h[..., : H * D].reshape(B, T, H, D)
     k = h[..., H * D : (H + K) * D].reshape(B, T, K, D)
     v = h[..., (H + K) * D :].reshape(B, T, K, D)
@@ -213,10 +214,10 @@ def _layer(cfg: ModelConfig, w: LayerWeights, x, sin, cos, positions, mask, kv, 
         out = _attend_cache_and_self(qg, kv, k, v, mask, dt)
         kv = _write(kv, k, v, positions)
 
-    x = x + jnp.einsum("btn,ne->bte", out.reshape(B, T, H * D), w.o[...].astype(dt))
-    h = jnp.einsum("bte,ef->btf", rms_norm(x, w.mlp_norm[...], eps), w.gate_up[...].astype(dt))
-    x = x + jnp.einsum("btf,fe->bte", jax.nn.silu(h[..., :F]) * h[..., F:], w.down[...].astype(dt))
-    return x, kv
+    x = x + out.reshape(B * T, H * D) @ w.o[...].astype(dt)
+    h = rms_norm(x, w.mlp_norm[...], eps) @ w.gate_up[...].astype(dt)
+    x = x + (jax.nn.silu(h[:, :F]) * h[:, F:]) @ w.down[...].astype(dt)
+    return x.reshape(B, T, -1), kv
 
 
 def _write(kv, k, v, positions):
@@ -234,6 +235,11 @@ def _attend_cache(qg, kv, mask, dt):
     """qg [B, T, K, G, D] over the first W cache slots (mask [B, T, W]) -> [B, T, K, G, D]."""
     W = mask.shape[-1]
     keys, values = (c[:, :, :W].astype(dt) for c in kv)
+    if qg.shape[1] == 1:  # a decode step: without the query axis, no transposes around the dots
+        scores = jnp.einsum("bkgd,bksd->bkgs", qg[:, 0], keys, preferred_element_type=jnp.float32)
+        scores = jnp.where(mask[:, :, None], scores * qg.shape[-1] ** -0.5, _LOW)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        return jnp.einsum("bkgs,bksd->bkgd", probs, values)[:, None]
     scores = jnp.einsum("btkgd,bksd->bkgts", qg, keys, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, None, None], scores * qg.shape[-1] ** -0.5, _LOW)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
