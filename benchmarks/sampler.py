@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from envace_jax.models.decoder import CausalLM
 from envace_jax.models.hf_io import load_hf_model
 from envace_jax.sampling import loop
 from envace_jax.sampling.chat_spec import turn_spec
@@ -195,7 +196,7 @@ def bench_real_model(path, batches, prompt_len, new_tokens, repeats):
     return {"model": path, "bandwidth_bytes_per_s": bandwidth, "rows": rows}
 
 
-class ForcedModel(nnx.Module):
+class ForcedModel(CausalLM):
     """The real decoder's forward (full cost), then the script's next token made certain."""
 
     def __init__(self, model, script):
@@ -203,7 +204,10 @@ class ForcedModel(nnx.Module):
         self.cfg = model.cfg
         self.script = nnx.Variable(jnp.asarray(script, jnp.int32))
 
-    def __call__(self, tokens, positions, *, attention_mask=None, cache=None, kv_window=None):
+    def init_cache(self, batch, max_len):
+        return self.inner.init_cache(batch, max_len)
+
+    def _forward(self, tokens, positions, attention_mask, cache, kv_window):
         logits, cache = self.inner(
             tokens, positions, attention_mask=attention_mask, cache=cache, kv_window=kv_window
         )
