@@ -14,9 +14,9 @@ after. At batch 1, XLA turns the write into a dynamic-update-slice fused into th
 reads it, and then copies the whole donated cache; at batch > 1, a write after the read makes it
 copy the cache instead.
 
-`DecodingWeights` picks what the sampling loop runs: a `LayeredDecoder` for a `Decoder` on one
-CPU device, the model itself elsewhere (an accelerator, or a batch split over devices, keeps the
-stacked layout that the train step shards).
+`DecodingWeights` picks what the sampler runs: a `LayeredDecoder` for a `Decoder` on one CPU
+device, the model itself elsewhere (an accelerator, or a batch split over devices, keeps the
+stacked layout that the train step shards). The server keeps the stacked decoder.
 """
 
 from __future__ import annotations

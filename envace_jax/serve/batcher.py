@@ -59,7 +59,6 @@ import numpy as np
 from flax import nnx
 
 from envace_jax.models.decoder import zero_pad
-from envace_jax.models.layered import DecodingWeights
 from envace_jax.sampling import loop
 from envace_jax.sampling.distributions import RowSampling, SamplingParams
 from envace_jax.sampling.sampler import pad_rows
@@ -222,8 +221,9 @@ class Engine:
             raise ValueError(f"Engine needs a TurnSpec in mode 'generate', got {spec.mode!r}")
         if max_batch < 1 or chunk_steps < 1:
             raise ValueError("Engine: max_batch and chunk_steps must be >= 1")
-        weights = DecodingWeights(model)
-        self.graphdef, self.params = weights.graphdef, weights.params
+        # The stacked decoder: a per-layer copy (`models.layered`) would hold both copies of
+        # the weights while converting, above the server's memory budget.
+        self.graphdef, self.params = nnx.split(model)
         self.spec = spec
         self.pad_id = int(pad_id)
         self.max_batch = int(max_batch)
