@@ -229,6 +229,14 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
+def causal_mask(batch: int, length: int, attention_mask: jax.Array | None) -> jax.Array:
+    """bool [B, T, T]: causal by token index, and only onto real keys (attention_mask [B, T])."""
+    mask = jnp.tril(jnp.ones((length, length), bool))[None]
+    if attention_mask is not None:
+        mask = mask & (attention_mask[:, None, :] > 0)
+    return jnp.broadcast_to(mask, (batch, length, length))
+
+
 def query_blocks(length: int, block: int) -> list[tuple[int, int]]:
     """(start, end) of the cache-less attention's query blocks: queries [start, end) attend
     to keys [0, end), all that causality lets them see."""
@@ -412,10 +420,7 @@ class Decoder(CausalLM):
         sin, cos = rope_tables(positions, cfg)
 
         if cache is None or fresh:
-            mask = jnp.tril(jnp.ones((T, T), bool))[None]  # causal by token index
-            if attention_mask is not None:
-                mask = mask & (attention_mask[:, None, :] > 0)
-            mask = jnp.broadcast_to(mask, (B, T, T))
+            mask = causal_mask(B, T, attention_mask)
             cache_kv = None if cache is None else (cache.k, cache.v)
         else:
             slots = jnp.arange(kv_window or cache.max_len, dtype=jnp.int32)

@@ -31,6 +31,7 @@ from envace_jax.models.decoder import (
     Decoder,
     apply_rope,
     attend,
+    causal_mask,
     check_inputs,
     query_blocks,
     rms_norm,
@@ -138,10 +139,7 @@ class LayeredDecoder(CausalLM):
         sin, cos = rope_tables(positions, cfg)
         if cache is None or fresh:
             order = "own"  # attend to the call's own keys, causal by token index
-            mask = jnp.tril(jnp.ones((T, T), bool))[None]
-            if attention_mask is not None:
-                mask = mask & (attention_mask[:, None, :] > 0)
-            mask = jnp.broadcast_to(mask, (B, T, T))
+            mask = causal_mask(B, T, attention_mask)
         else:
             order = "read_first" if B == T == 1 else "write_first"
             slots = jnp.arange(kv_window or cache.max_len, dtype=jnp.int32)[None, None, :]
