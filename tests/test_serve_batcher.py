@@ -95,67 +95,126 @@ def test_a_row_cancelled_while_its_tokens_are_handed_out_ends_as_cancelled():
         engine.stop()
 
 
-def test_buffer_grows_as_rows_write_and_tokens_match_a_full_buffer():
-    """Rows are admitted with a reserve, not their whole budget; the buffer grows before a chunk
-    that needs room, and later arrivals grow it too. Greedy tokens equal those of one decode in
-    a buffer sized to the whole budget from the start."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
+class _Budgets:
+    """The tiny Qwen3 with no stop id (every row runs to its budget), the greedy tokens of one
+    decode per prompt in a buffer sized to its whole budget, and collectors for an engine's."""
 
-    from envace_jax.models.config import get_preset
-    from envace_jax.models.decoder import Decoder
-    from envace_jax.sampling import loop
-    from envace_jax.serve.batcher import RESERVE_TOKENS
-    from envace_jax.text.tokenizer import load_tokenizer
+    def __init__(self, budgets: dict[tuple[int, ...], int]):
+        from flax import nnx
 
-    tok = load_tokenizer("demo")
-    model = Decoder(get_preset("tiny-qwen3", vocab_size=len(tok)), rngs=nnx.Rngs(0))
-    # No stop id: every row runs to its budget, so the long one must outgrow the reserve.
-    spec = loop.TurnSpec(end_id=-1, tool_call_id=-1, mode="generate", max_message_tokens=1 << 30)
-    budgets = {(5, 6, 7): RESERVE_TOKENS + 300, (9, 10, 11, 12): 40}
+        from envace_jax.models.config import get_preset
+        from envace_jax.models.decoder import Decoder
+        from envace_jax.sampling import loop
+        from envace_jax.text.tokenizer import load_tokenizer
 
-    def reference(prompt, new):
-        graphdef, params = nnx.split(model)
+        tok = load_tokenizer("demo")
+        self.model = Decoder(get_preset("tiny-qwen3", vocab_size=len(tok)), rngs=nnx.Rngs(0))
+        self.spec = loop.TurnSpec(
+            end_id=-1, tool_call_id=-1, mode="generate", max_message_tokens=1 << 30
+        )
+        self.budgets = budgets
+        self.got = {p: [] for p in budgets}
+        self.done = threading.Semaphore(0)
+
+    def engine(self, **kw) -> Engine:
+        return Engine(self.model, self.spec, pad_id=0, **{"wait_s": 0.0, **kw}).start()
+
+    def submit(self, engine: Engine, prompt: tuple[int, ...], on_tokens=None) -> None:
+        def on_event(ev):
+            if isinstance(ev, Tokens):
+                self.got[prompt] += ev.ids
+                if on_tokens:
+                    on_tokens()
+            else:
+                assert ev.finish_reason == "length", ev
+                self.done.release()
+
+        greedy = SamplingParams(greedy=True)
+        engine.submit(Sequence(prompt, self.budgets[prompt], greedy, on_event))
+
+    def wait_all(self) -> None:
+        for _ in self.budgets:
+            assert self.done.acquire(timeout=300)
+
+    def reference(self, prompt: tuple[int, ...]) -> list[int]:
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from envace_jax.sampling import loop
+
+        new = self.budgets[prompt]
+        graphdef, params = nnx.split(self.model)
         state = loop.init_state(
             graphdef,
             params,
             jnp.asarray([prompt]),
             jnp.asarray([len(prompt)]),
             key=jax.random.key(0),
-            spec=spec,
+            spec=self.spec,
             max_len=1024,
             max_new_tokens=new,
         )
         sampling = SamplingParams(greedy=True)
-        state = loop.decode(graphdef, params, state, spec=spec, sampling=sampling, max_steps=new)
+        state = loop.decode(
+            graphdef, params, state, spec=self.spec, sampling=sampling, max_steps=new
+        )
         return np.asarray(state.tokens[0, len(prompt) : len(prompt) + new]).tolist()
 
-    engine = Engine(model, spec, pad_id=0, wait_s=0.0, chunk_steps=16).start()
+    def check_tokens(self) -> None:
+        for prompt in self.budgets:
+            assert self.got[prompt] == self.reference(prompt), prompt
+
+
+def test_buffer_grows_as_rows_write_and_tokens_match_a_full_buffer():
+    """Rows are admitted with a reserve, not their whole budget; the buffer grows before a chunk
+    that needs room, and later arrivals grow it too. Greedy tokens equal those of one decode in
+    a buffer sized to the whole budget from the start."""
+    from envace_jax.serve.batcher import RESERVE_TOKENS
+
+    # The long row must outgrow the reserve.
+    run = _Budgets({(5, 6, 7): RESERVE_TOKENS + 300, (9, 10, 11, 12): 40})
+    engine = run.engine(chunk_steps=16)
     try:
-        got = {p: [] for p in budgets}
-        done = threading.Semaphore(0)
-
-        def collect(prompt):
-            def on_event(ev):
-                if isinstance(ev, Tokens):
-                    got[prompt] += ev.ids
-                else:
-                    assert ev.finish_reason == "length", ev
-                    done.release()
-
-            return on_event
-
-        first, second = budgets
-        engine.submit(Sequence(first, budgets[first], SamplingParams(greedy=True), collect(first)))
-        assert done.acquire(timeout=0) is False
+        first, second = run.budgets
+        run.submit(engine, first)
+        assert run.done.acquire(timeout=0) is False
         time.sleep(0.5)  # the second joins the running batch
-        engine.submit(
-            Sequence(second, budgets[second], SamplingParams(greedy=True), collect(second))
-        )
-        assert done.acquire(timeout=300) and done.acquire(timeout=300)
+        run.submit(engine, second)
+        run.wait_all()
         assert engine.stats["grown"] >= 1
-        for prompt, new in budgets.items():
-            assert got[prompt] == reference(list(prompt), new), prompt
+        run.check_tokens()
+    finally:
+        engine.stop()
+
+
+def test_rows_left_by_a_burst_go_on_as_a_smaller_batch_and_a_burst_grows_it():
+    """Four requests open a 4-row batch; once the three short ones stop, the long one decodes
+    as a 1-row batch. Three more arriving then make it a 4-row batch again, which they join
+    instead of waiting for it to drain, and after them it is one row again. Every row's greedy
+    tokens are unchanged."""
+    long, short = (9, 10, 11, 12), [(5 + i, 6, 7) for i in range(3)]
+    late = [(20 + i, 21) for i in range(3)]
+    run = _Budgets({long: 200, **dict.fromkeys(short, 4), **dict.fromkeys(late, 30)})
+    # A window long enough that the first four open one batch.
+    engine = run.engine(chunk_steps=8, row_buckets=(1, 4), max_batch=4, wait_s=1.0)
+    seen = []
+
+    def on_long_tokens():
+        # On the engine thread, after a chunk: the first one decoded as a 1-row batch brings
+        # the late requests.
+        seen.append((engine.stats["regrouped"], engine._batch.size))
+        if seen[-1] == (1, 1) and seen.count((1, 1)) == 1:
+            for prompt in late:
+                run.submit(engine, prompt)
+
+    try:
+        run.submit(engine, long, on_long_tokens)
+        for prompt in short:
+            run.submit(engine, prompt)
+        run.wait_all()
+        assert list(dict.fromkeys(seen)) == [(0, 4), (1, 1), (2, 4), (3, 1)], seen
+        assert engine.stats["batches"] == 1
+        run.check_tokens()
     finally:
         engine.stop()

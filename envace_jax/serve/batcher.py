@@ -13,6 +13,10 @@ generated row each); the engine keeps one running batch of B rows, a bucket from
    Sampling parameters are per-row inputs of the compiled loop (`RowSampling`), so rows with
    any temperature, top-p and top-k share a batch, and no client can make the engine compile
    a program per setting.
+   Before that, the batch moves to the row bucket its live rows and the waiting requests
+   need: when most rows of a burst have stopped, the rest go on as a smaller batch (a decode
+   step's cost grows with its rows, stopped ones included), and a burst that finds a small
+   batch running makes it larger rather than waiting for it to drain.
 2. decode `chunk_steps` tokens for every row (`loop.decode` with a step limit), or one token
    when the batch was just opened, so that its first tokens stream at once;
 3. emit every row's new tokens to its sequence's callback, and free stopped rows.
@@ -185,6 +189,14 @@ def _window(tokens: jax.Array, logprobs: jax.Array, start: jax.Array, width: int
     )
 
 
+def _regroup(state: loop.LoopState, slots: jax.Array, live: jax.Array) -> loop.LoopState:
+    """The rows `slots` [b] of `state` as a batch of b rows; rows where `live` [b] is False are
+    stopped padding (free slots of the new batch)."""
+    state = loop.take_rows(state, slots)
+    status = jnp.where(live, state.status, Status.FINISHED)
+    return state.replace(status=status.astype(state.status.dtype))
+
+
 def _cancel_rows(state: loop.LoopState, rows: jax.Array) -> loop.LoopState:
     """Stops rows (bool [B]) that are still running; their slots can then be reused."""
     running = state.status == Status.RUNNING
@@ -249,13 +261,14 @@ class Engine:
         self._grow = jax.jit(_grow, static_argnames=("max_len",))
         self._window = jax.jit(_window, static_argnames=("width",))
         self._cancel = jax.jit(_cancel_rows, donate_argnums=(0,))
+        self._regroup = jax.jit(_regroup)
         self._pending: collections.deque[Sequence] = collections.deque()
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._batch: _Batch | None = None
         self._joining: list[Sequence] = []  # popped from the queue, not yet in a batch
-        # batches, admitted, chunks, grown, errors, finished_<reason>, decode_programs
+        # batches, admitted, chunks, grown, regrouped, errors, finished_<reason>, decode_programs
         self.stats = collections.Counter()
 
     # ------------------------------------------------------------------ public API
@@ -319,6 +332,7 @@ class Engine:
                     self._gather()
                     self._open_batch()
                 else:
+                    self._fit_rows()
                     self._admit()
                 if self._batch is not None:
                     self._step()
@@ -406,6 +420,29 @@ class Engine:
         batch.rows[slot] = seq
         batch.prompt_len[slot] = len(seq.prompt)
         self.stats["admitted"] += 1
+
+    def _fit_rows(self) -> None:
+        """Moves the running batch to the row bucket that its rows and the waiting requests
+        need (see the module docstring)."""
+        batch = self._batch
+        live = [i for i, s in enumerate(batch.rows) if s is not None]
+        with self._cv:
+            waiting = len(self._pending)
+        rows = self._rows_bucket(min(len(live) + waiting, self.max_batch))
+        if rows == batch.size:
+            return
+        free = [i for i, s in enumerate(batch.rows) if s is None]
+        # Padding rows are copies of any row, stopped: `_regroup` marks them free.
+        slots = (live + free + [0] * rows)[:rows]
+        is_live = np.arange(rows) < len(live)
+        old = batch.state
+        batch.state = self._regroup(old, jnp.asarray(slots, jnp.int32), jnp.asarray(is_live))
+        jax.tree.map(lambda a: a.delete(), old)  # as at a batch's end: one state at a time
+        batch.rows = [batch.rows[i] for i in live] + [None] * (rows - len(live))
+        batch.prompt_len = np.where(is_live, batch.prompt_len[slots], 0)
+        for slot, seq in enumerate(batch.rows[: len(live)]):
+            seq.slot = slot
+        self.stats["regrouped"] += 1
 
     def _admit(self) -> None:
         batch = self._batch
