@@ -82,6 +82,42 @@ def test_missing_directory_is_named():
         load_tokenizer("no/such/tokenizer")
 
 
+def test_plain_fast_tokenizer_loads_without_the_model_stack(tmp_path, monkeypatch):
+    """A tokenizer whose config names the plain fast class loads as AutoTokenizer would load
+    it, without AutoTokenizer: that one reads the model config, which imports PyTorch where
+    it is installed (a third of the server's memory). Another class still goes through it."""
+    code = (
+        "import sys, json; from envace_jax.text.tokenizer import load_tokenizer; "
+        "t = load_tokenizer(sys.argv[1]); "
+        "print(json.dumps([type(t).__name__, 'torch' in sys.modules, t.encode('Hi <tool_call>')]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, "demo"], capture_output=True, text=True, check=True
+    )
+    name, torch_imported, ids = json.loads(out.stdout.strip().splitlines()[-1])
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(DEMO_TOKENIZER_DIR), local_files_only=True)
+    assert (name, ids) == (type(auto).__name__, auto.encode("Hi <tool_call>"))
+    assert not torch_imported
+    # A directory naming another class is loaded by AutoTokenizer, which resolves it.
+    other = tmp_path / "other"
+    shutil.copytree(DEMO_TOKENIZER_DIR, other)
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "Other"}))
+    calls = []
+    real = AutoTokenizer.from_pretrained.__func__
+
+    def recording(cls, path, **kw):
+        calls.append(path)
+        return real(cls, path, **kw)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(recording))
+    load_tokenizer("demo")
+    load_tokenizer(other)
+    assert calls == [str(other)]
+
+
 def test_missing_chat_template_is_named(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO_TOKENIZER_DIR / name, tmp_path / name)

@@ -19,6 +19,7 @@ ordinary names).
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 DEMO = "demo"
@@ -53,6 +54,19 @@ class SpecialIds:
     think_close: int
 
 
+_PLAIN_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(path: Path) -> str | None:
+    """The `tokenizer_class` a tokenizer directory names, if it names one."""
+    try:
+        with open(path / "tokenizer_config.json") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None  # AutoTokenizer then finds the class, or says what is wrong
+    return name if isinstance(name, str) else None
+
+
 def load_tokenizer(name_or_path: str | Path = DEMO):
     """Load ``'demo'`` (the shipped demo tokenizer) or a local HF tokenizer directory.
 
@@ -60,15 +74,20 @@ def load_tokenizer(name_or_path: str | Path = DEMO):
       FileNotFoundError: the directory does not exist.
       ValueError: the tokenizer has no chat template.
     """
-    from transformers import AutoTokenizer  # heavy import: only when a tokenizer is loaded
-
     path = DEMO_TOKENIZER_DIR if str(name_or_path) == DEMO else Path(name_or_path)
     if not path.is_dir():
         raise FileNotFoundError(
             f"tokenizer directory not found: {path} (use 'demo' for the shipped demo tokenizer)"
         )
+    # A plain fast tokenizer is loaded as itself: AutoTokenizer reads the model config too,
+    # which imports PyTorch where it is installed (0.3 GB of a server's resident memory).
+    # Heavy imports: only when a tokenizer is loaded, and AutoTokenizer only when needed.
+    if _tokenizer_class(path) in _PLAIN_FAST_TOKENIZERS:
+        from transformers import PreTrainedTokenizerFast as loader
+    else:
+        from transformers import AutoTokenizer as loader
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = loader.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types; name the path in every case
         raise ValueError(f"could not load a tokenizer from {path}: {e}") from e
     if not getattr(tokenizer, "chat_template", None):
