@@ -15,8 +15,9 @@ generated row each); the engine keeps one running batch of B rows, a bucket from
    a program per setting.
    Before that, the batch moves to the row bucket its live rows and the waiting requests
    need: when most rows of a burst have stopped, the rest go on as a smaller batch (a decode
-   step's cost grows with its rows, stopped ones included), and a burst that finds a small
-   batch running makes it larger rather than waiting for it to drain.
+   step's cost grows with its rows, stopped ones included; with nobody waiting, a chunk ends
+   as soon as the running rows fit a smaller bucket), and a burst that finds a small batch
+   running makes it larger rather than waiting for it to drain.
 2. decode `chunk_steps` tokens for every row (`loop.decode` with a step limit), or one token
    when the batch was just opened, so that its first tokens stream at once;
 3. emit every row's new tokens to its sequence's callback, and free stopped rows.
@@ -248,10 +249,16 @@ class Engine:
             loop.init_state, static_argnums=(0,), static_argnames=("spec", "max_len")
         )
 
-        def decode(graphdef, params, state, *, spec, sampling, max_steps):
+        def decode(graphdef, params, state, *, spec, sampling, max_steps, min_running):
             self.stats["decode_programs"] += 1  # runs when jit traces: once per program
             return loop.decode(
-                graphdef, params, state, spec=spec, sampling=sampling, max_steps=max_steps
+                graphdef,
+                params,
+                state,
+                spec=spec,
+                sampling=sampling,
+                max_steps=max_steps,
+                min_running=min_running,
             )
 
         self._decode = jax.jit(
@@ -429,11 +436,14 @@ class Engine:
         with self._cv:
             waiting = len(self._pending)
         rows = self._rows_bucket(min(len(live) + waiting, self.max_batch))
-        if rows == batch.size:
-            return
+        if rows < batch.size:
+            self._shrink(batch, live, rows)
+        elif rows > batch.size:
+            self._grow_rows(batch, live, rows)
+
+    def _shrink(self, batch: _Batch, live: list[int], rows: int) -> None:
         free = [i for i, s in enumerate(batch.rows) if s is None]
-        # Padding rows are copies of any row, stopped: `_regroup` marks them free.
-        slots = (live + free + [0] * rows)[:rows]
+        slots = (live + free)[:rows]  # free rows as padding: `_regroup` stops them
         is_live = np.arange(rows) < len(live)
         old = batch.state
         batch.state = self._regroup(old, jnp.asarray(slots, jnp.int32), jnp.asarray(is_live))
@@ -442,6 +452,34 @@ class Engine:
         batch.prompt_len = np.where(is_live, batch.prompt_len[slots], 0)
         for slot, seq in enumerate(batch.rows[: len(live)]):
             seq.slot = slot
+        self.stats["regrouped"] += 1
+
+    def _grow_rows(self, batch: _Batch, live: list[int], rows: int) -> None:
+        """Admits waiting sequences into a batch of more rows: they are prefilled at the new
+        size and the live rows are copied in after them, so that only one state of the new
+        size exists at a time (a larger copy of the old state, then the arrivals' prefill
+        inserted into it, would be two)."""
+        seqs = self._take_fitting(batch.max_len, rows - len(live))
+        if not seqs:
+            return
+        self._joining = seqs
+        rows = self._rows_bucket(len(live) + len(seqs))
+        if rows <= batch.size:  # fewer fit the buffer than were waiting: the free rows do
+            self._admit_into_free(batch, seqs)
+            return
+        moved = np.full(batch.size, rows, np.int32)  # free rows map past the end: dropped
+        moved[live] = np.arange(len(seqs), len(seqs) + len(live))
+        state = self._prefill(seqs, rows, batch.max_len)
+        old = batch.state
+        batch.state = self._insert(state, old, jnp.asarray(moved))
+        jax.tree.map(lambda a: a.delete(), old)
+        old_rows, old_prompt_len = batch.rows, batch.prompt_len
+        batch.rows, batch.prompt_len = [None] * rows, np.zeros(rows, np.int64)
+        for slot, seq in enumerate(seqs):
+            self._place(batch, seq, slot)
+        for i in live:
+            slot = old_rows[i].slot = int(moved[i])
+            batch.rows[slot], batch.prompt_len[slot] = old_rows[i], old_prompt_len[i]
         self.stats["regrouped"] += 1
 
     def _admit(self) -> None:
@@ -453,6 +491,11 @@ class Engine:
         if not seqs:
             return
         self._joining = seqs
+        self._admit_into_free(batch, seqs)
+
+    def _admit_into_free(self, batch: _Batch, seqs: list[Sequence]) -> None:
+        """Prefills `seqs` and writes them into free rows of `batch` (there are enough)."""
+        free = [i for i, s in enumerate(batch.rows) if s is None]
         small = self._prefill(seqs, self._rows_bucket(len(seqs)), batch.max_len)
         slots = np.full(small.tokens.shape[0], batch.size, np.int32)  # padding rows: dropped
         slots[: len(seqs)] = free[: len(seqs)]
@@ -486,6 +529,12 @@ class Engine:
         cancel = np.array([s is not None and s.cancelled for s in batch.rows])
         if cancel.any():
             batch.state = self._cancel(batch.state, jnp.asarray(cancel))
+        # With nobody waiting, the chunk ends once the running rows fit the next smaller
+        # bucket, so that they go on as that batch (`_fit_rows`) instead of finishing the
+        # chunk at this size.
+        with self._cv:
+            waiting = bool(self._pending)
+        smaller = [b for b in self.row_buckets if b < batch.size]
         batch.state = self._decode(
             self.graphdef,
             self.params,
@@ -493,6 +542,7 @@ class Engine:
             spec=self.spec,
             sampling=RowSampling.of([_IDLE_ROW if s is None else s.sampling for s in batch.rows]),
             max_steps=steps,
+            min_running=1 if waiting or not smaller else smaller[-1] + 1,
         )
         self.stats["chunks"] += 1
         emitted = np.array([s.emitted if s is not None else 0 for s in batch.rows], np.int32)
