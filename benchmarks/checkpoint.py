@@ -1,12 +1,13 @@
 """Checkpoint costs on this machine: how long `save` blocks (async) vs the full write, restore,
 and the share of the content checksums (computed on device at save and again at restore).
 
-    python benchmarks/checkpoint.py --mib 256
+    python benchmarks/checkpoint.py --mib 256 --json checkpoint.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 
@@ -22,6 +23,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=256, help="state size in MiB (float32)")
     parser.add_argument("--leaves", type=int, default=16)
+    parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args()
     n = args.mib * 2**20 // 4 // args.leaves
     rng = np.random.default_rng(0)
@@ -53,6 +55,12 @@ def main() -> None:
         f"checksums {checksum:.3f}s = {checksum / total:.1%} of a save, "
         f"{checksum / restore:.1%} of a restore"
     )
+    if args.json:
+        figures = {"mib": args.mib, "save_blocks_s": blocking, "save_s": total}
+        figures |= {"restore_s": restore, "checksum_s": checksum}
+        figures |= {"blocking_share": blocking / total, "checksum_share": checksum / total}
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

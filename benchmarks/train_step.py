@@ -11,12 +11,13 @@ attention computes, LM head; backward = 2 x forward) per second, over this machi
 float32 matmul throughput. (XLA's cost analysis counts a scanned layer once, so it is not used.)
 
   python benchmarks/train_step.py                 # demo-size policy, 4-turn trajectories
-  python benchmarks/train_step.py --turns 8 --repeats 5
+  python benchmarks/train_step.py --turns 8 --repeats 5 --json train-step.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -77,6 +78,7 @@ def main():
     ap.add_argument("--glue-len", type=int, default=8, help="chat-template tokens per switch")
     ap.add_argument("--micro-rows", type=int, default=8, help="rows per micro-batch at most")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
 
     mcfg = get_preset(args.preset)
@@ -150,10 +152,12 @@ def main():
         "grad norm",
     )
     print(f"{'':>8}" + "".join(f"{c:>12}" for c in cols))
+    figures = {}
     for name, batch in batches.items():
         b, t = batch.shape
         sec = statistics.median(times[name])
         flops = 3 * forward_flops(models[name].cfg, b, t)  # forward + backward (2x)
+        figures[name] = {"step_s": sec, "mfu": flops / sec / peak, "loss": first[name]["loss"]}
         values = (
             f"{b} x {t}",
             micro[name],
@@ -179,6 +183,10 @@ def main():
         f"query blocks of {mcfg.query_block} vs one block of {packed.shape[1]}: "
         f"{tw / tp:.2f}x faster (the table's loss and grad norm columns should agree)"
     )
+    if args.json:
+        with open(args.json, "w") as f:
+            ratios = {"packed_over_rows": tr / tp, "query_blocks_over_one_block": tw / tp}
+            json.dump({"preset": args.preset, **ratios, "steps": figures}, f, indent=1)
 
 
 if __name__ == "__main__":
