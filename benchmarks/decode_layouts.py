@@ -32,6 +32,10 @@ from flax import nnx
 from envace_jax.models.decoder import apply_rope, init_cache, rms_norm, rope_tables
 from envace_jax.models.hf_io import load_hf_model
 
+# The step decodes at position window - CONTEXT_GAP: 300 of 384, where sampler.py's rows are on
+# average (prompt 256 plus half of 128 new tokens, in windows of 384).
+CONTEXT_GAP = 84
+
 
 def median_time(fn, repeats: int) -> float:
     times = []
@@ -126,7 +130,7 @@ def layered_step(cfg, weights, embed, final_scale, lm_head, ks, vs, tok, pos):
 def bench(model, batch: int, window: int, repeats: int) -> dict:
     cfg = model.cfg
     tok = jnp.asarray(np.random.default_rng(batch).integers(20, 1000, (batch, 1)), jnp.int32)
-    pos = jnp.full((batch, 1), window - 84, jnp.int32)  # the benchmark's mean context
+    pos = jnp.full((batch, 1), window - CONTEXT_GAP, jnp.int32)  # the benchmark's mean context
 
     graphdef, params = nnx.split(model)
 
@@ -176,6 +180,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
+    if args.window <= CONTEXT_GAP:
+        ap.error(f"--window must exceed {CONTEXT_GAP}: the step decodes at window - {CONTEXT_GAP}")
     model, cfg = load_hf_model(args.model)
     print(f"{args.model}: {cfg.num_params / 1e6:.1f}M params, window {args.window}")
     rows = [bench(model, int(b), args.window, args.repeats) for b in args.batches.split(",")]
