@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Workers of the fast suite (pytest-xdist), one file per worker so module fixtures build once.
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo demo-base smollm2 test test-slow lint clean-venv
+.PHONY: demo demo-base smollm2 tunix test test-slow lint clean-venv
 
 $(VENV)/.base: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,15 @@ smollm2: workdir/smollm2/config.json
 workdir/smollm2/config.json: $(VENV)/.test
 	$(PY) -m envace_jax.models.gguf_convert smollm2 workdir/smollm2-gguf
 	$(PY) -m envace_jax.text.retag workdir/smollm2-gguf workdir/smollm2
+
+# Tunix (the JAX peer `benchmarks/sampler.py --tunix-python` compares against) pins its own jax
+# and flax, so it gets a venv of its own.
+TUNIX_VENV ?= .venv-tunix
+tunix: $(TUNIX_VENV)/.installed
+$(TUNIX_VENV)/.installed:
+	$(PYTHON) -m venv $(TUNIX_VENV)
+	$(TUNIX_VENV)/bin/python -m pip install -q 'google-tunix==0.1.7'
+	touch $@
 
 # pyproject.toml's addopts deselect the slow tests; `-m slow` selects only them. The fast suite
 # spends most of its time compiling tiny programs that then run in milliseconds, so it compiles
