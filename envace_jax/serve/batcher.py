@@ -442,6 +442,7 @@ class Engine:
             self._grow_rows(batch, live, rows)
 
     def _shrink(self, batch: _Batch, live: list[int], rows: int) -> None:
+        """Moves the live rows, in order, to a batch of `rows` rows."""
         free = [i for i, s in enumerate(batch.rows) if s is None]
         slots = (live + free)[:rows]  # free rows as padding: `_regroup` stops them
         is_live = np.arange(rows) < len(live)
