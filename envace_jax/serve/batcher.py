@@ -190,6 +190,12 @@ def _window(tokens: jax.Array, logprobs: jax.Array, start: jax.Array, width: int
     )
 
 
+def _release(state: loop.LoopState) -> None:
+    """Frees a state's buffers now, not whenever a garbage collection finds them: the next
+    state allocates its own, and two batches' KV caches at once would set the peak."""
+    jax.tree.map(lambda a: a.delete(), state)
+
+
 def _regroup(state: loop.LoopState, slots: jax.Array, live: jax.Array) -> loop.LoopState:
     """The rows `slots` [b] of `state` as a batch of b rows; rows where `live` [b] is False are
     stopped padding (free slots of the new batch)."""
@@ -448,7 +454,7 @@ class Engine:
         is_live = np.arange(rows) < len(live)
         old = batch.state
         batch.state = self._regroup(old, jnp.asarray(slots, jnp.int32), jnp.asarray(is_live))
-        jax.tree.map(lambda a: a.delete(), old)  # as at a batch's end: one state at a time
+        _release(old)
         batch.rows = [batch.rows[i] for i in live] + [None] * (rows - len(live))
         batch.prompt_len = np.where(is_live, batch.prompt_len[slots], 0)
         for slot, seq in enumerate(batch.rows[: len(live)]):
@@ -473,7 +479,7 @@ class Engine:
         state = self._prefill(seqs, rows, batch.max_len)
         old = batch.state
         batch.state = self._insert(state, old, jnp.asarray(moved))
-        jax.tree.map(lambda a: a.delete(), old)
+        _release(old)
         old_rows, old_prompt_len = batch.rows, batch.prompt_len
         batch.rows, batch.prompt_len = [None] * rows, np.zeros(rows, np.int64)
         for slot, seq in enumerate(seqs):
@@ -485,10 +491,10 @@ class Engine:
 
     def _admit(self) -> None:
         batch = self._batch
-        free = [i for i, s in enumerate(batch.rows) if s is None]
+        free = batch.rows.count(None)
         if not free:
             return
-        seqs = self._take_fitting(batch.max_len, len(free))
+        seqs = self._take_fitting(batch.max_len, free)
         if not seqs:
             return
         self._joining = seqs
@@ -583,9 +589,7 @@ class Engine:
                 self._finish(seq, reason or "stop", num_generated=total)
         if all(s is None for s in batch.rows):
             self._batch = None
-            # Its buffers go now, not whenever a garbage collection finds them: the next batch
-            # allocates its own, and two batches' KV caches at once would set the peak.
-            jax.tree.map(lambda a: a.delete(), batch.state)
+            _release(batch.state)
 
     def _finish(self, seq: Sequence, reason: str, num_generated=None, error=None) -> None:
         if seq.done:

@@ -79,9 +79,8 @@ def load_tokenizer(name_or_path: str | Path = DEMO):
         raise FileNotFoundError(
             f"tokenizer directory not found: {path} (use 'demo' for the shipped demo tokenizer)"
         )
-    # A plain fast tokenizer is loaded as itself: AutoTokenizer reads the model config too,
-    # which imports PyTorch where it is installed (0.3 GB of a server's resident memory).
-    # Heavy imports: only when a tokenizer is loaded, and AutoTokenizer only when needed.
+    # A plain fast tokenizer loads as itself: AutoTokenizer also reads the model config, which
+    # imports PyTorch where it is installed (0.3 GB of a server's resident memory).
     if _tokenizer_class(path) in _PLAIN_FAST_TOKENIZERS:
         from transformers import PreTrainedTokenizerFast as loader
     else:
