@@ -50,10 +50,11 @@ def shared():
     # 8 steps. A short warmup keeps Adam's first, sign-like update from taking a full step on
     # one batch.
     _from_checkpoint(config, 100, 1e-3, 10, rl_lr=3e-4, rl_warmup=4)
-    # The warm start imitates an imperfect demonstrator: half of its demonstrations stop one
-    # call short and reply as if done. That mistake is what RL has to find and undo from task
-    # success alone (the base policy, trained on complete demonstrations, makes it rarely).
-    config.data.unfinished_demos = 0.5
+    # The warm start imitates an imperfect demonstrator: in half of its demonstrations it makes
+    # the lookups, then its task family's default change whatever the lookup said (the world
+    # refuses it on the other branches). Following what the tool answered is what RL has to
+    # learn from task success alone (the base policy, trained on the oracle, follows it).
+    config.data.default_action_demos = 0.5
     # Rollouts at the reference's validation sampling: at T=1 a multi-call task breaks
     # somewhere in most samples, and the groups of the long families carry no success.
     config.rollout.temperature = 0.6

@@ -18,13 +18,22 @@ from typing import Any
 import ml_collections
 
 from envace_jax import knobs
+from envace_jax.envs.base import CORRUPTIONS
 from envace_jax.envs.registry import DOMAINS
 from envace_jax.knobs import BOOL, Section, integer, knob, nested, number, one_of, text
 from envace_jax.rl.config import GRPOConfig, OptimConfig, SFTConfig, chunking_problem
 
 # Training modes (envace_jax.rollout.modes): 'envace' = shared-parameter world rehearsal; the
-# baselines 'envace_noshare', 'grpo_real_env', 'external_simulator' and 'sft_only'.
-MODES = ("envace", "envace_noshare", "grpo_real_env", "external_simulator", "sft_only")
+# baselines 'envace_noshare', 'grpo_real_env', 'external_simulator', 'sft_only', and the
+# sensitivity control 'corrupted_world' (GRPO against a corrupted copy of the world).
+MODES = (
+    "envace",
+    "envace_noshare",
+    "grpo_real_env",
+    "external_simulator",
+    "corrupted_world",
+    "sft_only",
+)
 REHEARSAL_VIEWS = ("shared", "grounded")  # rollout.rehearsal_view (DESIGN: two views)
 
 
@@ -71,12 +80,19 @@ class DataSection(Section):
     train_tasks: int = knob(4096, integer(1))
     # Held-out tasks (a split never used in training) for evaluation.
     eval_tasks: int = knob(128, integer(1))
+    # The split the train job evaluates on: 'validation', where every choice (step counts,
+    # learning rates, shares) is made, or 'test', whose numbers are only reported.
+    eval_split: str = knob("validation", one_of("validation", "test"))
     # Warm-start demonstrations that show a failing call (the environment's real error
     # response) and the recovery, so that both roles see what a failure looks like.
     failure_demos: float = knob(0.25, number(0.0, 1.0))
     # Warm-start demonstrations that stop one call short and reply as if done: an imperfect
     # demonstrator, whose mistake the warm start learns and RL can undo.
     unfinished_demos: float = knob(0.0, number(0.0, 1.0))
+    # Warm-start demonstrations whose agent makes the lookups, then takes its task family's
+    # default action whatever the lookup said (refusals included): the imperfect demonstrator
+    # whose mistake RL has to undo by following what the tool answered.
+    default_action_demos: float = knob(0.0, number(0.0, 1.0))
     # Share of the training tasks whose demonstration also gives the warm start one simulator
     # row per tool turn (`rollout.grounded`): the prompt of the grounded rehearsal view, the
     # environment's real responses as its REHEARSE target.
@@ -103,6 +119,11 @@ class RolloutSection(Section):
     # from a simulator prompt with the task's logged tool responses (the reference's Tool
     # Simulator, `rollout.grounded`).
     rehearsal_view: str = knob("shared", one_of(*REHEARSAL_VIEWS))
+    # Mode 'corrupted_world': how the copy of the world RL acts in is wrong ('redrawn': hidden
+    # state redrawn from its distribution over tasks; 'optimist': no change is ever refused)
+    # and the share of episodes it is wrong in (0 = the real world, call for call).
+    corruption: str = knob("redrawn", one_of(*CORRUPTIONS))
+    corruption_rate: float = knob(1.0, number(0.0, 1.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +167,9 @@ class EvalSection(Section):
     max_new_tokens: int = knob(384, integer(1))  # Token budget of one evaluation episode.
     # Held-out tasks whose demonstrations the copy diagnostics score.
     probe_tasks: int = knob(32, integer(1))
+    # The evaluations every `schedule.eval_every` RL steps (the learning curve) also run avg@4,
+    # five times the cost of their greedy run; the warm start's and the final run it always.
+    curve_avg4: bool = knob(False, BOOL)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,22 +53,28 @@ def _pooled(per_task: np.ndarray, everywhere: bool) -> tuple[float, float]:
     return float(mean), float(math.sqrt(var / n))
 
 
-def families_of(tasks: Sequence[Any]) -> list[str]:
-    """The task families (`task.metadata['family']`) present in `tasks`, sorted."""
-    return sorted({f for t in tasks if (f := t.metadata.get("family"))})
+def families_of(tasks: Sequence[Any], key: str = "family") -> list[str]:
+    """The task families (`task.metadata[key]`: 'family', or 'stratum' for the hidden and
+    visible strata) present in `tasks`, sorted."""
+    return sorted({f for t in tasks if (f := t.metadata.get(key))})
 
 
 def by_family(
-    per_task: Sequence[float], mine: Sequence[Any], families: Sequence[str], everywhere: bool
+    per_task: Sequence[float],
+    mine: Sequence[Any],
+    families: Sequence[str],
+    everywhere: bool,
+    key: str = "family",
 ) -> dict[str, float]:
-    """Mean per-task score per task family, over this process's tasks `mine` (every process's
-    when `everywhere`, a collective: `families` must then be the same list on all). A family
-    with no task here has no entry rather than a 0 that reads as "always fails": a rate over
-    all tasks hides a skill that fails every time, so families are reported apart."""
+    """Mean per-task score per task family (`task.metadata[key]`), over this process's tasks
+    `mine` (every process's when `everywhere`, a collective: `families` must then be the same
+    list on all). A family with no task here has no entry rather than a 0 that reads as
+    "always fails": a rate over all tasks hides a skill that fails every time, so families
+    are reported apart."""
     index = {f: i for i, f in enumerate(families)}
     sums = np.zeros((2, len(families)))
     for v, task in zip(per_task, mine, strict=True):
-        i = index.get(task.metadata.get("family"))
+        i = index.get(task.metadata.get(key))
         if i is not None:
             sums[:, i] += (1, v)
     if everywhere:
@@ -93,15 +99,24 @@ class EvalResult:
     # (greedy) and `success_avg4/<family>`.
     by_family: dict[str, float] = dataclasses.field(default_factory=dict)
     by_family_avg4: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Success per stratum (tasks whose metadata name one: 'hidden', 'visible'), written as
+    # `stratum_success/<stratum>` (greedy) and `stratum_success_avg4/<stratum>`.
+    by_stratum: dict[str, float] = dataclasses.field(default_factory=dict)
+    by_stratum_avg4: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def headline(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in _HEADLINE}
 
     def as_dict(self) -> dict[str, float]:
-        """Flat scalars (metrics.jsonl, TensorBoard, checkpoint metadata)."""
-        out = dict(self.headline())
+        """Flat scalars (metrics.jsonl, TensorBoard, checkpoint metadata); a greedy-only
+        evaluation leaves its avg@4 scores out."""
+        out = {k: v for k, v in self.headline().items() if not math.isnan(v)}
         out.update({f"success/{f}": v for f, v in self.by_family.items()})
-        out.update({f"success_avg4/{f}": v for f, v in self.by_family_avg4.items()})
+        out.update({f"success_avg4/{f}": v for f, v in self.by_family_avg4.items() if v == v})
+        out.update({f"stratum_success/{f}": v for f, v in self.by_stratum.items()})
+        out.update(
+            {f"stratum_success_avg4/{f}": v for f, v in self.by_stratum_avg4.items() if v == v}
+        )
         return out
 
     @classmethod
@@ -113,12 +128,12 @@ class EvalResult:
             **{k: d.get(k, 0.0) for k in _HEADLINE},
             by_family=fams("success"),
             by_family_avg4=fams("success_avg4"),
+            by_stratum=fams("stratum_success"),
+            by_stratum_avg4=fams("stratum_success_avg4"),
         )
 
 
-_HEADLINE = tuple(
-    f.name for f in dataclasses.fields(EvalResult) if not f.name.startswith("by_family")
-)
+_HEADLINE = tuple(f.name for f in dataclasses.fields(EvalResult) if not f.name.startswith("by_"))
 
 
 def my_tasks(mesh, tasks: Sequence[Any]) -> list[Any]:
@@ -197,16 +212,22 @@ def evaluate(
     eval_cfg,
     length_buckets: Sequence[int],
     key: jax.Array,
+    greedy_only: bool = False,
 ) -> EvalResult:
     """The protocol of the module docstring. `host_sampler` holds the ACT params to evaluate;
     `rehearse(tasks, group, layout=)` gives world-rehearsal episodes by whoever rehearses (a
-    `RolloutBatch`), for fidelity."""
+    `RolloutBatch`), for fidelity. `greedy_only`: a point of a learning curve, a fifth of the
+    cost; its avg@4 scores are NaN."""
     mine = my_tasks(mesh, tasks)
+    strata = families_of(tasks, "stratum")
     sampled = SamplingParams(temperature=eval_cfg.temperature, top_p=eval_cfg.top_p)
     runs = Executions(host_sampler, tokenizer, tasks, make_env, mesh, eval_cfg.max_new_tokens)
-    greedy, per_sample = runs.greedy_and_sampled(key, sampled, AVG_SAMPLES)
+    samples = 0 if greedy_only else AVG_SAMPLES
+    greedy, per_sample = runs.greedy_and_sampled(key, sampled, samples)
     greedy_ok = np.asarray([r.success for r in greedy], np.float64)
-    avg_ok = np.mean([[r.success for r in rs] for rs in per_sample], axis=0).astype(np.float64)
+    avg_ok = np.full(len(mine), np.nan)
+    if per_sample:
+        avg_ok = np.mean([[r.success for r in rs] for rs in per_sample], axis=0)
     m = real_env_metrics(greedy, everywhere=True)
     success, success_se = _pooled(greedy_ok, everywhere=True)
     avg4, avg4_se = _pooled(avg_ok, everywhere=True)
@@ -236,6 +257,8 @@ def evaluate(
         fidelity=fidelity,
         by_family=by_family(greedy_ok, mine, families_of(tasks), everywhere=True),
         by_family_avg4=by_family(avg_ok, mine, families_of(tasks), everywhere=True),
+        by_stratum=by_family(greedy_ok, mine, strata, True, "stratum"),
+        by_stratum_avg4=by_family(avg_ok, mine, strata, True, "stratum"),
     )
 
 
@@ -251,20 +274,21 @@ def headroom(
     samples: int,
     max_new_tokens: int,
 ) -> dict[str, dict[str, float]]:
-    """{family or 'all': {'tasks', 'greedy', 'pass@1', 'pass@k'}}: greedy success, and the
-    mean and the any-of success of `samples` sampled executions per task."""
+    """{family, 'stratum <name>' or 'all': {'tasks', 'greedy', 'pass@1', 'pass@k'}}: greedy
+    success, and the mean and the any-of success of `samples` sampled executions per task,
+    per task family, per stratum and over all tasks."""
     mine = my_tasks(mesh, tasks)
     runs = Executions(host_sampler, tokenizer, tasks, make_env, mesh, max_new_tokens)
     greedy_runs, sampled_runs = runs.greedy_and_sampled(key, sampling, samples)
     greedy = np.asarray([r.success for r in greedy_runs], np.float64)
     ok = np.asarray([[r.success for r in rs] for rs in sampled_runs], np.float64)
     scores = {"greedy": greedy, "pass@1": ok.mean(axis=0), "pass@k": ok.max(axis=0)}
-    families = families_of(tasks)
-    per_family = {name: by_family(v, mine, families, True) for name, v in scores.items()}
-    out = {
-        f: {"tasks": sum(t.metadata.get("family") == f for t in tasks)}
-        | {name: per_family[name][f] for name in scores}
-        for f in families
-    }
+    out = {}
+    for key_, label in (("family", "{}"), ("stratum", "stratum {}")):
+        groups = families_of(tasks, key_)
+        per_group = {n: by_family(v, mine, groups, True, key_) for n, v in scores.items()}
+        for g in groups:
+            count = sum(t.metadata.get(key_) == g for t in tasks)
+            out[label.format(g)] = {"tasks": count} | {n: per_group[n][g] for n in scores}
     out["all"] = {"tasks": len(tasks)} | {n: _pooled(v, True)[0] for n, v in scores.items()}
     return out

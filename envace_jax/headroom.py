@@ -4,11 +4,12 @@
 
 Run on a train job's workdir (or `--config.rehearsal.checkpoint_dir=<its workdir>`). For the
 warm-start policy and, when RL ran, the latest checkpoint's, on the held-out tasks the train
-job evaluates (`data.eval_tasks`, validation split, the job's seed): greedy success, and sampled
-pass@1 and pass@k (`eval.pass_k` samples per task at the RL rollouts' `rollout.temperature` and
-`rollout.top_p`), overall and per task family. GRPO learns only from groups whose rewards
-differ, so a family whose pass@k is 0 gives it nothing to reinforce, and pass@k - greedy bounds
-what sharpening the sampled policy can add. Writes `headroom.md` and `headroom.json`.
+job evaluates (`data.eval_tasks` of `data.eval_split`, the job's seed): greedy success, and
+sampled pass@1 and pass@k (`eval.pass_k` samples per task at the RL rollouts'
+`rollout.temperature` and `rollout.top_p`), overall, per task family and per stratum. GRPO
+learns only from groups whose rewards differ, so a family whose pass@k is 0 gives it nothing
+to reinforce, and pass@k - greedy bounds what sharpening the sampled policy can add. Writes
+`headroom.md` and `headroom.json`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def headroom_table(by_policy: dict[str, dict[str, dict[str, float]]], k: int) ->
     """One row per (task family, policy): tasks, greedy, pass@1, pass@k, pass@k - greedy."""
     rows = []
     for name, result in by_policy.items():
-        for family, r in sorted(result.items(), key=lambda kv: (kv[0] == "all", kv[0])):
+        order = lambda kv: (kv[0] == "all", kv[0].startswith("stratum"), kv[0])
+        for family, r in sorted(result.items(), key=order):
             gap = r["pass@k"] - r["greedy"]
             rows.append([family, name, r["tasks"], r["greedy"], r["pass@1"], r["pass@k"], gap])
     header = ["task family", "policy", "tasks", "greedy", "pass@1", f"pass@{k}", "gap"]
@@ -73,8 +75,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         )
     text = headroom_table(by_policy, k)
     note = (
-        f"Held-out tasks: {len(tasks)} (validation split, seed {config.seed}); sampled at "
-        f"temperature {r.temperature}, top_p {r.top_p}; gap = pass@{k} - greedy."
+        f"Held-out tasks: {len(tasks)} ({config.data.eval_split} split, seed {config.seed}); "
+        f"sampled at temperature {r.temperature}, top_p {r.top_p}; gap = pass@{k} - greedy."
     )
     with open(os.path.join(workdir, "headroom.md"), "w") as f:
         f.write(f"{note}\n\n{text}\n")

@@ -29,6 +29,8 @@ def summary_record(ev: EvalResult, env_calls_rl: int) -> dict[str, float]:
         "reward": ev.reward,
         "fidelity": ev.fidelity,
         "env_calls_rl": env_calls_rl,
+        "success_greedy_by_stratum": ev.by_stratum,
+        "success_avg4_by_stratum": ev.by_stratum_avg4,
     }
 
 
@@ -52,17 +54,16 @@ def summary_tables(warm: EvalResult | None, final: EvalResult, trained: str, tas
         for name, ev in evals
     ]
     text = table(rows, header)
-    if families := sorted({f for _, ev in evals for f in ev.by_family}):
-        counts = collections.Counter(t.metadata.get("family") for t in tasks)
-        get = lambda d, f: d.get(f, "-")
-        rows = [
-            [f, counts[f]]
-            + [get(d, f) for _, ev in evals for d in (ev.by_family, ev.by_family_avg4)]
-            for f in families
-        ]
-        names = (["warm start"] if warm else []) + [trained]
-        header = ["task family", "tasks"] + [f"{n} {k}" for n in names for k in ("greedy", "avg@4")]
-        text += "\n\nSuccess by task family:\n\n" + table(rows, header)
+    names = (["warm start"] if warm else []) + [trained]
+    groups = (("stratum", "by_stratum", "stratum"), ("task family", "by_family", "family"))
+    for title, field, key in groups:
+        if not (found := sorted({f for _, ev in evals for f in getattr(ev, field)})):
+            continue
+        counts = collections.Counter(t.metadata.get(key) for t in tasks)
+        pairs = [(getattr(ev, field), getattr(ev, field + "_avg4")) for _, ev in evals]
+        rows = [[f, counts[f]] + [d.get(f, "-") for pair in pairs for d in pair] for f in found]
+        header = [title, "tasks"] + [f"{n} {k}" for n in names for k in ("greedy", "avg@4")]
+        text += f"\n\nSuccess by {title}:\n\n" + table(rows, header)
     return text
 
 

@@ -10,6 +10,7 @@ exported. The loop asks; it never branches on the mode.
                    from a simulator prompt of its own (`rollout.grounded`)
     WarmStartOnly  'sft_only': no RL phase
     RealEnvPolicy  'grpo_real_env': RL rollouts are host turns in the real environment
+    CorruptedWorldPolicy  'corrupted_world': host turns against a corrupted copy of the world
     RolePolicies   'envace_noshare' (each role its own trained set), 'external_simulator'
                    (REHEARSE by a frozen copy of the warm start)
 
@@ -26,10 +27,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 
 from envace_jax import parallel
+from envace_jax.envs.base import CallCounter
 from envace_jax.rl.steps import TrainState, frozen_copy, init_train_state
 from envace_jax.rollout.grounded import grounded_rollouts
 from envace_jax.rollout.modes import MODE_SPECS, ModeSpec, mode_spec, real_env_group_rollouts
@@ -64,13 +67,15 @@ class RoleStates:
 @dataclasses.dataclass(frozen=True)
 class RolloutSetup:
     """What every strategy samples with: the model (its graph and initial params), the
-    tokenizer, the domain's environment factory, `config.rollout` and this process's rows."""
+    tokenizer, the domain's environment factory, `config.rollout` and this process's rows;
+    `corrupted_envs(kind, rate, seed)` is the domain's factory of corrupted worlds (or None)."""
 
     model: nnx.Module
     tokenizer: Any
     make_env: Callable[[], Any]
     rollout: Any  # config.rollout
     layout: parallel.RowLayout  # the RL batch's rows this process builds
+    corrupted_envs: Callable[[str, float, int], Callable[[], Any]] | None = None
 
 
 class SharedPolicy:
@@ -186,6 +191,31 @@ class RealEnvPolicy(SharedPolicy):
         )
 
 
+class CorruptedWorldPolicy(SharedPolicy):
+    """'corrupted_world': GRPO on host turns against a corrupted copy of the world (the
+    sensitivity control); its calls are simulator calls (`sim_calls`), never the
+    environment's. With `rollout.corruption_rate` 0 it samples what 'grpo_real_env' does."""
+
+    def __init__(self, spec: ModeSpec, setup: RolloutSetup):
+        if setup.corrupted_envs is None:
+            raise ValueError("config.mode = 'corrupted_world': the domain has no corrupted world")
+        super().__init__(spec, setup)
+
+    def rollouts(self, params, tasks: Sequence[Any], key, sampling: SamplingParams) -> RolloutBatch:
+        r = self.setup.rollout
+        # The corruption draws are keyed by the step's key, so a resumed run redraws the same.
+        seed = int(np.asarray(jax.random.key_data(key)).ravel()[-1])
+        world = CallCounter(self.setup.corrupted_envs(r.corruption, r.corruption_rate, seed))
+        self.host_sampler.set_params(self.act_params(params))
+        rb = real_env_group_rollouts(
+            self.host_sampler, self.setup.tokenizer, tasks, world, self._group(key, sampling)
+        )
+        # Tool errors were the corrupted world's; its success test, against the task's true final
+        # state, says nothing of a world whose state was redrawn.
+        stats = {k.replace("real_", "sim_"): v for k, v in rb.stats.items() if k != "real_success"}
+        return dataclasses.replace(rb, stats={**stats, "sim_calls": world.calls})
+
+
 class RolePolicies(SharedPolicy):
     """A parameter set per role in one decode loop: REHEARSE trained on its own tokens
     ('envace_noshare') or frozen at the warm start ('external_simulator')."""
@@ -257,6 +287,7 @@ STRATEGIES: dict[str, type[SharedPolicy]] = {
     "envace_noshare": RolePolicies,
     "external_simulator": RolePolicies,
     "grpo_real_env": RealEnvPolicy,
+    "corrupted_world": CorruptedWorldPolicy,
     "sft_only": WarmStartOnly,
 }
 assert set(STRATEGIES) == set(MODE_SPECS), "every mode needs a strategy"

@@ -138,7 +138,14 @@ class Trainer:
         )
         # RL's environment calls are counted: world rehearsal makes none.
         self.rl_envs = CallCounter(self.domain.make_env)
-        setup = RolloutSetup(self.model, self.tokenizer, self.rl_envs, r, self.rl_layout)
+        setup = RolloutSetup(
+            self.model,
+            self.tokenizer,
+            self.rl_envs,
+            r,
+            self.rl_layout,
+            self.domain.corrupted_envs,
+        )
         self.mode = strategy(config.mode, setup)
         self.sft_steps = s.sft_steps
         self.rl_steps = s.rl_steps if self.mode.has_rl else 0
@@ -283,7 +290,7 @@ class Trainer:
 
     # -------------------------------------------------------------------------- evaluation
 
-    def evaluate(self, params, tasks, key) -> EvalResult:
+    def evaluate(self, params, tasks, key, greedy_only: bool = False) -> EvalResult:
         """Committed execution of `tasks` in the real environment by the ACT params (greedy and
         avg@4, `envace_jax.evaluation`), and the fidelity of the REHEARSE player (whoever
         rehearses in this mode)."""
@@ -297,6 +304,7 @@ class Trainer:
             self.config.eval,
             self.config.rollout.length_buckets,
             key,
+            greedy_only,
         )
 
     # --------------------------------------------------------------------------------- RL
@@ -332,9 +340,9 @@ class Trainer:
             self.writer.write(rl_step, "rl", m, global_step=g)
             progress.update(rl_step, reward=rb.stats["reward"], loss=m["loss"])
             if s.eval_every and rl_step % s.eval_every == 0 and rl_step < self.rl_steps:
-                ev = self.evaluate(
-                    state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, g)
-                )
+                key = jax.random.fold_in(self.eval_key, g)
+                curve = not self.config.eval.curve_avg4
+                ev = self.evaluate(state.params, self.eval_tasks, key, greedy_only=curve)
                 self.writer.write(rl_step, "eval", ev.as_dict(), global_step=g)
                 print(f"[eval] RL step {rl_step}: {ev.headline()}")
             if rl_step % s.checkpoint_every == 0 and rl_step < self.rl_steps:

@@ -32,6 +32,7 @@ def demonstrations(config, domain: Domain, tasks: Sequence, tokenizer) -> list:
         config.data.failure_demos,
         config.seed,
         unfinished_fraction=config.data.unfinished_demos,
+        default_fraction=config.data.default_action_demos,
     )
     fraction = config.rehearsal.sft_memory_fraction
     if fraction > 0:

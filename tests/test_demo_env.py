@@ -1,6 +1,8 @@
 """The demo domain against an independent reference: a re-implementation of the documented
-tool rules that reads the world only from the records table of the system turn."""
+tool rules that reads the world from the records table of the system turn (and, for a task of
+the hidden stratum, whose table leaves the statuses out, the statuses from its initial state)."""
 
+import collections
 import json
 import random
 import re
@@ -13,6 +15,7 @@ from envace_jax.data.tasks import Task
 from envace_jax.envs import CALL_ERROR_CODES, Environment, error_code
 from envace_jax.envs.demo import (
     FAMILIES,
+    FAMILY_TOOLS,
     SPLITS,
     STATE_CHANGING,
     TOOL_NAMES,
@@ -35,11 +38,12 @@ def tasks():
 
 class RefShop:
     """Reads customers/accounts/orders from the system turn's records table (not from the
-    task's ground truth) and answers calls by the rules the tool descriptions state."""
+    task's ground truth) and answers calls by the rules the tool descriptions state. A table
+    without statuses (the hidden stratum) takes them from `statuses` ({id: status})."""
 
-    def __init__(self, system_text: str, tools=None):
+    def __init__(self, system_text: str, tools=None, statuses=None):
         self.tools = None if tools is None else {t["function"]["name"] for t in tools}
-        self.customers, self.balance, self.orders = {}, {}, {}
+        self.customers, self.balance, self.orders, self.status = {}, {}, {}, {}
         section = None
         for line in system_text.splitlines():
             if line.startswith("customers ("):
@@ -47,12 +51,24 @@ class RefShop:
             elif line.startswith("orders ("):
                 section = "o"
             elif section == "c":
-                member, cid, aid, bal = line.split()
+                member, cid, aid, bal, *status = line.split()
                 self.customers[cid] = {"member": member, "account": aid}
                 self.balance[aid] = int(bal)
+                self.status[aid] = status[0] if status else statuses[aid]
             elif section == "o":
-                oid, cid, item, price, status = line.split()
-                self.orders[oid] = [cid, item, int(price), status]
+                oid, cid, item, price, *status = line.split()
+                self.orders[oid] = [cid, item, int(price), status[0] if status else statuses[oid]]
+
+    @classmethod
+    def of(cls, task, tools=None):
+        """The reference for `task`: its table, and its initial statuses if the table hides
+        them (checked against the task's recorded stratum)."""
+        hidden = task.metadata["stratum"] == "hidden"
+        table = task.messages[0]["content"]
+        assert ("status):" not in table) == hidden, task.task_id
+        world = task.ground_truth["initial_state"]
+        statuses = {r["id"]: r["status"] for r in world["orders"] + world["accounts"]}
+        return cls(table, tools, statuses if hidden else None)
 
     def call(self, name, args):
         err = lambda code: {"error": {"code": code}}  # noqa: E731
@@ -79,7 +95,7 @@ class RefShop:
         if name == "get_balance":
             a = args["account_id"]
             return (
-                {"account": a, "balance": self.balance[a]}
+                {"account": a, "balance": self.balance[a], "status": self.status[a]}
                 if a in self.balance
                 else err("not_found")
             )
@@ -102,6 +118,8 @@ class RefShop:
                 return err("same_account")
             if amt < 1:
                 return err("bad_amount")
+            if self.status[f] == "frozen":
+                return err("frozen")
             if amt > self.balance[f]:
                 return err("no_funds")
             self.balance[f] -= amt
@@ -138,7 +156,7 @@ def test_oracle_succeeds_on_every_task_and_matches_reference(tasks):
     env = DemoEnv()
     wins = 0
     for task in tasks:
-        ref = RefShop(task.messages[0]["content"])
+        ref = RefShop.of(task)
         msgs = oracle_messages(task, env)
         assert msgs == list(task.reference_messages), task.task_id
         for m, r in zip(msgs[2:-1:2], msgs[3:-1:2], strict=True):
@@ -160,17 +178,31 @@ def test_oracle_succeeds_on_every_task_and_matches_reference(tasks):
     assert rate == 1.0
 
 
+# A reply word and one that states something else.
+_OTHER_WORD = {
+    "already": "now",
+    "cancelled": "refunded",
+    "refunded": "cancelled",
+    "frozen": "active",
+}
+
+
 def test_success_needs_state_and_reply(tasks):
     env = DemoEnv()
     for task in tasks[:200]:
         env.reset(task)
-        reply = task.ground_truth["final_reply"]
-        assert not env.success(reply), "nothing done yet: the state must not match"
+        gt = task.ground_truth
+        reply = gt["final_reply"]
+        changes = any(c["name"] in STATE_CHANGING for c in gt["solution"])
+        # A branch that only replies needs no change; the others must make theirs.
+        assert env.success(reply) == (not changes), task.task_id
         oracle_messages(task, env)
-        fact = task.ground_truth["reply_facts"][0]
         assert env.success(reply)
-        assert not env.success(reply.replace(fact, str(int(fact) + 1)))
-        assert not env.success(reply.replace(fact, fact + "0"))  # 150 is not stated by 1500
+        for fact in gt["reply_facts"]:
+            wrong = str(int(fact) + 1) if fact.isdigit() else _OTHER_WORD[fact]
+            assert not env.success(reply.replace(fact, wrong)), (task.task_id, fact)
+            if fact.isdigit():
+                assert not env.success(reply.replace(fact, fact + "0"))  # 150 is not 1500
 
 
 def test_random_calls_rarely_succeed(tasks):
@@ -198,22 +230,31 @@ def test_random_calls_rarely_succeed(tasks):
 
 
 def test_family_spread_and_ground_truth_shape(tasks):
-    fams = {f: n for n, group in FAMILIES.items() for f in group}
-    counts = {n: 0 for n in FAMILIES}
+    counts = collections.Counter()
     for task in tasks:
-        gt = task.ground_truth
-        assert fams[gt["family"]] == gt["n_calls"] == len(gt["solution"])
-        counts[gt["n_calls"]] += 1
-        # Every task needs a state change, and its final reply needs an observed value.
-        assert any(c["name"] in STATE_CHANGING for c in gt["solution"])
-        assert gt["final_state"] != gt["initial_state"]
-        # Offered tools: the solution's plus one distractor, in the fixed order.
+        gt, meta = task.ground_truth, task.metadata
+        assert gt["family"] == meta["family"] in FAMILIES
+        assert gt["n_calls"] == meta["n_calls"] == len(gt["solution"])
+        assert gt["branch"] == meta["branch"] and gt["stratum"] == meta["stratum"]
+        counts[gt["family"], gt["branch"]] += 1
+        # The last lookup's result shows the branch's status (in a listing, the named order's).
+        lookups = [c for c in gt["solution"] if c["name"] not in STATE_CHANGING]
+        shown = gt["observations"][len(lookups) - 1]
+        statuses = [shown.get("status")] + [o["status"] for o in shown.get("orders", ())]
+        assert gt["branch"] in statuses, task.task_id
+        # A change exactly when the branch makes one; the reply needs an observed value.
+        changed = gt["final_state"] != gt["initial_state"]
+        assert changed == any(c["name"] in STATE_CHANGING for c in gt["solution"])
+        assert changed == (gt["branch"] in ("open", "shipped", "active"))
+        # Offered tools: every branch's, in the fixed order, so they do not tell the branch.
         offered = [t["function"]["name"] for t in task.tools]
-        used = {c["name"] for c in gt["solution"]}
-        assert used <= set(offered) and len(offered) == len(used) + 1
+        assert set(offered) == set(FAMILY_TOOLS[gt["family"]])
         assert offered == [n for n in TOOL_NAMES if n in offered]
-    print("tasks by number of calls:", counts)
-    assert all(c > 0.15 * len(tasks) for c in counts.values())
+    print("tasks by family and branch:", sorted(counts.items()))
+    for family in FAMILIES:
+        branches = {b for f, b in counts if f == family}
+        want = {"open", "shipped", "cancelled", "refunded"} if family.startswith("close") else None
+        assert branches == (want or {"active", "frozen"}), family
     # Member-based tasks name a member of their world, whom find_customer maps to ids.
     for t in tasks:
         text = t.messages[1]["content"]
@@ -221,6 +262,82 @@ def test_family_spread_and_ground_truth_shape(tasks):
             member = text.split()[3].rstrip(".")
             world = t.ground_truth["initial_state"]
             assert member in [c["member"] for c in world["customers"]], text
+
+
+def test_strata_show_or_hide_every_status(tasks):
+    """A visible task's table shows each account's and order's status on its row; a hidden
+    task's table shows none (only a lookup does)."""
+    strata = collections.Counter(t.metadata["stratum"] for t in tasks)
+    assert set(strata) == {"hidden", "visible"} and min(strata.values()) > 0.4 * len(tasks)
+    for task in tasks:
+        world = task.ground_truth["initial_state"]
+        table = task.messages[0]["content"].split("customers (")[1]
+        rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
+        hidden = task.metadata["stratum"] == "hidden"
+        for c in world["customers"]:
+            status = next(a["status"] for a in world["accounts"] if a["id"] == c["account"])
+            assert rows[c["member"]][-1] == (str(_balance(world, c)) if hidden else status)
+        for o in world["orders"]:
+            assert rows[o["id"]][-1] == (str(o["price"]) if hidden else o["status"])
+        words = set(table.split())
+        assert hidden == words.isdisjoint({"open", "shipped", "cancelled", "refunded", "frozen"})
+
+
+def _balance(world, customer):
+    return next(a["balance"] for a in world["accounts"] if a["id"] == customer["account"])
+
+
+def _play(task, calls, reply):
+    """Success of playing `calls` (one per message), then `reply`, in a fresh environment."""
+    env = DemoEnv()
+    env.reset(task)
+    results = [env.step([c])[0] for c in calls]
+    return env.success(reply), results
+
+
+def test_every_branch_both_ways(tasks):
+    """Each family's branches, executed in the real environment after the task's lookups: the
+    task's own branch succeeds; every other branch fails, its change refused (and a refusal
+    fails the task even when the right change follows) or its reply wrong."""
+    seen = collections.Counter()
+    for task in tasks[:400]:
+        gt = task.ground_truth
+        lookups = [c for c in gt["solution"] if c["name"] not in STATE_CHANGING]
+        target = gt["default_call"]["arguments"]
+        if gt["family"].startswith("close"):
+            oid = target["order_id"]
+            branches = {
+                "cancel": ([{"name": "cancel_order", "arguments": {"order_id": oid}}], ""),
+                "refund": ([{"name": "refund", "arguments": {"order_id": oid}}], ""),
+                "reply": ([], f"Order {oid} is already {gt['branch']}."),
+            }
+            own = {"open": "cancel", "shipped": "refund"}.get(gt["branch"], "reply")
+        else:
+            branches = {
+                "transfer": ([{"name": "transfer", "arguments": target}], ""),
+                "reply": ([], f"Account {target['from_id']} is frozen."),
+            }
+            own = "transfer" if gt["branch"] == "active" else "reply"
+        for name, (calls, reply) in branches.items():
+            ok, results = _play(task, lookups + calls, reply or gt["final_reply"])
+            assert ok == (name == own), (task.task_id, name, results)
+            if calls and name != own:  # the wrong change is refused, and costs the task
+                assert error_code(results[-1]) in ("bad_status", "frozen"), results[-1]
+                fix = branches[own][0]
+                assert not _play(task, lookups + calls + fix, gt["final_reply"])[0]
+            seen[gt["family"], name == own] += 1
+    assert all(seen[f, True] and seen[f, False] for f in FAMILIES), seen
+
+
+def test_held_out_tasks_never_repeat_training_or_each_other():
+    """Validation and test tasks share no task (system turn and instruction) with each other or
+    with the training tasks, beyond distinct world seeds."""
+    content = lambda ts: {(t.messages[0]["content"], t.messages[1]["content"]) for t in ts}
+    train = content(generate_tasks(0, 4096, "train"))
+    for seed in (0, 1, 2):
+        val = content(generate_tasks(seed, 512, "validation"))
+        test = content(generate_tasks(seed, 512, "test"))
+        assert not val & test and not val & train and not test & train
 
 
 def test_tasks_are_valid_records_and_deterministic():
@@ -276,7 +393,7 @@ def test_environment_is_deterministic_and_resets(tasks):
         assert r1 == r2 and env1.state() == env2.state()
         assert env1.state()["n_calls"] == 6
         # Reference agreement on arbitrary (often failing) call sequences.
-        ref = RefShop(task.messages[0]["content"], task.tools)
+        ref = RefShop.of(task, task.tools)
         assert all(
             _same(r, ref.call(c["name"], c["arguments"])) for r, c in zip(r1, calls, strict=True)
         )
@@ -292,12 +409,17 @@ def test_every_error_rule():
     env = DemoEnv()
     task = _task_with(
         generate_tasks(seed=0, n=50, split="train", extra_tools=len(TOOL_NAMES)),
-        lambda w: {o["status"] for o in w["orders"]} >= {"open", "shipped"},
+        lambda w: (
+            {o["status"] for o in w["orders"]} >= {"open", "shipped"}
+            and [a["status"] for a in w["accounts"]].count("active") == 2
+            and "frozen" in [a["status"] for a in w["accounts"]]
+        ),
     )
     w = task.ground_truth["initial_state"]
     open_o = next(o["id"] for o in w["orders"] if o["status"] == "open")
     shipped_o = next(o["id"] for o in w["orders"] if o["status"] == "shipped")
-    a0, a1 = w["accounts"][0], w["accounts"][1]
+    a0, a1 = [a for a in w["accounts"] if a["status"] == "active"]
+    frozen = next(a for a in w["accounts"] if a["status"] == "frozen")
     cases = [
         ({"name": "fly", "arguments": {}}, "unknown_tool"),
         ({"name": None, "arguments": {}}, "unknown_tool"),
@@ -357,6 +479,13 @@ def test_every_error_rule():
             },
             "no_funds",
         ),
+        (
+            {
+                "name": "transfer",
+                "arguments": {"from_id": frozen["id"], "to_id": a1["id"], "amount": 1},
+            },
+            "frozen",
+        ),
     ]
     env.reset(task)
     before = env.state()["world"]
@@ -366,6 +495,10 @@ def test_every_error_rule():
         assert set(result) == {"error"} and set(result["error"]) == {"code", "message"}
         json.dumps(result)
     assert env.state()["world"] == before, "errors never change the world"
+    # Every change the world refused is recorded, in order; a call error never reached it.
+    assert env.state()["refused"] == [
+        c for c, code in cases if c["name"] in STATE_CHANGING and code not in CALL_ERROR_CODES
+    ]
     # An integral float is a JSON-schema integer.
     call = {"from_id": a0["id"], "to_id": a1["id"], "amount": 5.0}
     (paid,) = env.step([{"name": "transfer", "arguments": call}])

@@ -85,11 +85,11 @@ def test_demonstrations_are_deterministic(tokenizer, tasks):
 
 def test_recovery_demonstrations_show_real_error_responses(tokenizer, tasks):
     """With failure demos, each sequence replays in a fresh environment: every REHEARSE span is
-    what the environment answers the call of the ACT span before it, one call fails with a
-    domain error, and the episode still succeeds. All three recovered error kinds occur."""
+    what the environment answers the call of the ACT span before it, one lookup fails with
+    not_found (a refused change would fail the task, so none is shown), and the episode still
+    succeeds."""
     demos = demonstrations(tasks, tokenizer, failure_fraction=1.0, seed=3)
     env = DemoEnv()
-    codes = []
     for task, demo in zip(tasks, demos, strict=True):
         env.reset(task)
         roles = demo.segment_roles()
@@ -106,11 +106,9 @@ def test_recovery_demonstrations_show_real_error_responses(tokenizer, tasks):
                 action = parse_tool_calls(text.removesuffix("<|im_end|>"), task.tools)
                 assert action.error is None, text
                 (call,) = action.calls
-        assert len(errors) == 1 and errors[0] in ("not_found", "bad_status", "no_funds"), errors
+        assert errors == ["not_found"] and env.state()["refused"] == []
         assert roles == [Role.ACT, Role.REHEARSE] * (task.ground_truth["n_calls"] + 1) + [Role.ACT]
         assert env.success(task.ground_truth["final_reply"])
-        codes += errors
-    assert set(codes) == {"not_found", "bad_status", "no_funds"}
     # A share of the demonstrations: the rest are the plain oracle's.
     some = demonstrations(tasks, tokenizer, failure_fraction=0.25, seed=3)
     plain = demonstrations(tasks, tokenizer)
@@ -120,8 +118,9 @@ def test_recovery_demonstrations_show_real_error_responses(tokenizer, tasks):
 
 def test_unfinished_demonstrations_skip_the_last_call_and_fail(tokenizer, tasks):
     """With unfinished demos, each sequence is the oracle's without its last call and that
-    call's response, and replayed in a fresh environment the episode fails; a share of them
-    leaves the rest exactly the oracle's."""
+    call's response, and replayed in a fresh environment the episode fails when that call was
+    a change (a branch that only replies needs none); a share of them leaves the rest exactly
+    the oracle's."""
     demos = demonstrations(tasks, tokenizer, unfinished_fraction=1.0, seed=3)
     env = DemoEnv()
     for task, demo in zip(tasks, demos, strict=True):
@@ -138,8 +137,44 @@ def test_unfinished_demonstrations_skip_the_last_call_and_fail(tokenizer, tasks)
         solution = task.ground_truth["solution"]
         assert [c.name for c in calls] == [c["name"] for c in solution[:-1]]
         assert roles == [Role.ACT, Role.REHEARSE] * (len(solution) - 1) + [Role.ACT]
-        assert not env.success(task.ground_truth["final_reply"])
+        changes = solution[-1]["name"] in ("cancel_order", "refund", "transfer")
+        assert env.success(task.ground_truth["final_reply"]) == (not changes)
     some = demonstrations(tasks, tokenizer, unfinished_fraction=0.5, seed=3)
     plain = demonstrations(tasks, tokenizer)
     changed = sum(not np.array_equal(a.ids, b.ids) for a, b in zip(some, plain, strict=True))
     assert 0.35 * len(tasks) < changed < 0.65 * len(tasks)
+
+
+def test_default_action_demonstrations_ignore_the_lookup_and_meet_the_real_world(tokenizer, tasks):
+    """With default-action demos, each sequence makes the task's lookups, then its family's
+    default change whatever the lookup showed; the environment's real answer follows (a refusal
+    on the branches that need another call), then the agent's reply. Replayed in a fresh
+    environment the episode succeeds exactly when the default was the task's branch."""
+    from envace_jax.envs.demo import STATE_CHANGING
+
+    demos = demonstrations(tasks, tokenizer, default_fraction=1.0, seed=3)
+    env = DemoEnv()
+    outcomes = set()
+    for task, demo in zip(tasks, demos, strict=True):
+        gt = task.ground_truth
+        env.reset(task)
+        roles = demo.segment_roles()
+        calls, results = [], []
+        for s in range(1, demo.num_segments):
+            text = tokenizer.decode(demo.ids[demo.segments == s], skip_special_tokens=False)
+            if roles[s - 1] == Role.ACT:
+                action = parse_tool_calls(text.removesuffix("<|im_end|>"), task.tools)
+                (call,) = action.calls
+                calls.append({"name": call.name, "arguments": call.arguments})
+                results += env.step(action.calls)
+            else:
+                responses, _ = parse_tool_responses(text, num_calls=1)
+                assert json.loads(responses[0]) == results[-1]
+        lookups = [c for c in gt["solution"] if c["name"] not in STATE_CHANGING]
+        assert calls == [*lookups, gt["default_call"]]
+        reply = tokenizer.decode(demo.ids[demo.segments == demo.num_segments])
+        default_is_branch = gt["branch"] in ("open", "active")
+        assert ("error" not in results[-1]) == default_is_branch
+        assert env.success(reply.removesuffix("<|im_end|>")) == default_is_branch
+        outcomes.add(default_is_branch)
+    assert outcomes == {True, False}

@@ -72,6 +72,17 @@ def test_avg4_is_the_mean_of_four_seeded_sampled_evaluations(setup):
     counts = {f: sum(t.metadata["family"] == f for t in tasks) for f in ev.by_family}
     total = sum(counts[f] * ev.by_family_avg4[f] for f in counts) / N_TASKS
     assert total == pytest.approx(ev.success_avg4)
+    # So do the per-stratum ones.
+    counts = {s: sum(t.metadata["stratum"] == s for t in tasks) for s in ev.by_stratum}
+    assert set(counts) == {"hidden", "visible"}
+    total = sum(counts[s] * ev.by_stratum[s] for s in counts) / N_TASKS
+    assert total == pytest.approx(ev.success)
+    # A greedy-only evaluation (a point of a learning curve) has the same greedy scores.
+    curve = evaluate(
+        sampler, rehearse, tok, tasks, DemoEnv, mesh, config.eval, (256, 512), key, greedy_only=True
+    )
+    assert curve.success == ev.success and curve.by_stratum == ev.by_stratum
+    assert math.isnan(curve.success_avg4) and "success_avg4" not in curve.as_dict()
 
 
 @pytest.mark.slow  # greedy and eight samples per task
@@ -98,7 +109,10 @@ def test_headroom_pass_at_k_bounds(setup):
     )
     for family, r in out.items():
         assert r["pass@1"] <= r["pass@k"] + 1e-9, family
-    assert sum(r["tasks"] for f, r in out.items() if f != "all") == N_TASKS
+    families = [r for f, r in out.items() if f != "all" and not f.startswith("stratum ")]
+    strata = [r for f, r in out.items() if f.startswith("stratum ")]
+    assert sum(r["tasks"] for r in families) == sum(r["tasks"] for r in strata) == N_TASKS
+    assert len(strata) == 2
 
 
 @pytest.mark.slow  # a smoke train job, then the headroom job on its workdir

@@ -348,3 +348,30 @@ def test_warm_start_from_another_config_is_refused(warm_start, tmp_path):
     config = smoke("envace", str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="no checkpoint at the end of a 4-step warm start"):
         Trainer(config, str(tmp_path / "c")).run()
+
+
+@pytest.mark.slow  # two RL runs from the fixture's warm start
+def test_a_corrupted_world_with_corruption_off_is_grpo_in_the_real_environment(
+    warm_start, tmp_path
+):
+    """The sensitivity control's arm with `corruption_rate` 0 samples, judges and trains exactly
+    what real-environment GRPO does (bit for bit), but counts its calls as simulator calls: RL
+    makes no environment call."""
+    from envace_jax.trainer import Hooks, Trainer
+
+    finals = {}
+    for mode in ("grpo_real_env", "corrupted_world"):
+        hooks = Hooks(on_finish=lambda state, mode=mode: finals.setdefault(mode, state))
+        overrides = {"rollout.corruption_rate": 0.0} if mode == "corrupted_world" else {}
+        Trainer(smoke(mode, warm_start, **overrides), str(tmp_path / mode), hooks).run()
+    assert _max_change(finals["corrupted_world"].params, finals["grpo_real_env"].params) == 0.0
+    rows = {
+        mode: [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+        for mode in finals
+    }
+    real = [r for r in rows["grpo_real_env"] if r["phase"] == "rl"]
+    sim = [r for r in rows["corrupted_world"] if r["phase"] == "rl"]
+    for r, s in zip(real, sim, strict=True):
+        assert s["env_calls"] == 0 and s["rollout_sim_calls"] == r["env_calls"] > 0
+        assert s["loss"] == r["loss"] and s["rollout_reward"] == r["rollout_reward"]
+        assert s["rollout_sim_tool_error_rate"] == r["rollout_real_tool_error_rate"]

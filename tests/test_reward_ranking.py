@@ -12,7 +12,7 @@ import pytest
 
 from envace_jax.envs import error_code
 from envace_jax.envs.base import is_call_error, result_text
-from envace_jax.envs.demo import DemoEnv, generate_tasks
+from envace_jax.envs.demo import STATE_CHANGING, DemoEnv, generate_tasks
 from envace_jax.rewards.rule_judge import judge
 
 
@@ -25,13 +25,39 @@ def _values(world):
     return out
 
 
+def _branches(task):
+    """Every branch's (action calls, reply) of `task`'s family after its lookups: the right
+    one and the wrong ones (whose change the world refuses, or whose reply is wrong)."""
+    gt = task.ground_truth
+    target = gt["default_call"]["arguments"]
+    if gt["family"].startswith("close"):
+        oid = target["order_id"]
+        out = [
+            ([{"name": tool, "arguments": {"order_id": oid}}], gt["final_reply"])
+            for tool in ("cancel_order", "refund")
+        ]
+        out += [([], f"Order {oid} is already {status}.") for status in ("cancelled", "refunded")]
+    else:
+        out = [
+            ([gt["default_call"]], gt["final_reply"]),
+            ([], f"Account {target['from_id']} is frozen."),
+        ]
+    out.append(([gt["default_call"]], gt["refused_reply"]))  # the imperfect demonstrator
+    return out
+
+
 def _edit(rng, task, calls, reply):
     """One random edit of (calls, reply)."""
     calls = [dict(c, arguments=dict(c["arguments"])) for c in calls]
     world = task.ground_truth["initial_state"]
     tools = [t["function"]["name"] for t in task.tools]
-    kind = rng.choice(("drop", "repeat", "swap", "argument", "insert", "reply", "no_reply"))
-    if kind == "drop" and calls:
+    kinds = ("drop", "repeat", "swap", "argument", "insert", "reply", "no_reply", "branch")
+    kind = rng.choice(kinds)
+    if kind == "branch":  # another branch after the lookups (or the same one)
+        lookups = [c for c in calls if c["name"] not in STATE_CHANGING]
+        action, reply = rng.choice(_branches(task))
+        calls = lookups + [dict(c, arguments=dict(c["arguments"])) for c in action]
+    elif kind == "drop" and calls:
         calls.pop(rng.randrange(len(calls)))
     elif kind == "repeat" and calls:
         i = rng.randrange(len(calls))
@@ -116,3 +142,18 @@ def test_domain_errors_recovered_from_still_succeed_and_score_full():
     bad_args = {"name": call["name"], "arguments": {"nope": 1}}
     messages, success = _play(task, [bad_args, call], task.ground_truth["final_reply"])
     assert not success and judge(task, messages).score == 0.0
+
+
+def test_a_refused_change_fails_even_when_the_right_one_follows():
+    """Trying the wrong branch's change costs the task: the world refuses it, and the right
+    change after it no longer succeeds, nor scores as one."""
+    for task in generate_tasks(4, 60, "validation"):
+        gt = task.ground_truth
+        if gt["branch"] not in ("shipped", "frozen"):
+            continue
+        *lookups, action = gt["solution"] if gt["branch"] == "shipped" else (*gt["solution"], None)
+        wrong = gt["default_call"]  # cancel a shipped order / pay from a frozen account
+        calls = [*lookups, wrong] + ([action] if action else [])
+        messages, success = _play(task, calls, gt["final_reply"])
+        assert error_code(json.loads(messages[-2 - 2 * bool(action)]["content"])) is not None
+        assert not success and judge(task, messages).score < 1.0 - 0.3

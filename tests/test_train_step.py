@@ -171,8 +171,9 @@ def test_optimizer_matches_torch_adamw_with_clipping():
         opt.step()
         for k in tp:
             np.testing.assert_allclose(np.asarray(params[k]), tp[k].detach().numpy(), atol=2e-6)
-    assert float(sched(0)) == 0.0 and float(sched(2)) == pytest.approx(1e-2)
-    assert float(sched(7)) == pytest.approx(1e-3)
+    # The warmup's first update is at peak / warmup_steps, never at 0.
+    assert float(sched(0)) == pytest.approx(5e-3) and float(sched(1)) == pytest.approx(1e-2)
+    assert float(sched(2)) == pytest.approx(1e-2) and float(sched(7)) == pytest.approx(1e-3)
 
 
 def test_optim_config_errors_name_the_key():

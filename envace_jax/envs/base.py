@@ -32,6 +32,10 @@ BAD_ARGS = "bad_args"  # arguments missing, unexpected, of the wrong type, or no
 BAD_CALL = "bad_call"  # the action text could not be parsed into tool calls
 BAD_OBSERVATION = "bad_observation"  # a rehearsed response is not a JSON object
 CALL_ERROR_CODES = frozenset({UNKNOWN_TOOL, BAD_ARGS, BAD_CALL, BAD_OBSERVATION})
+# Ways a domain can corrupt a copy of its world for the sensitivity control (mode
+# 'corrupted_world'): 'redrawn' redraws the hidden state a task depends on from its
+# distribution over tasks; 'optimist' answers every change it would refuse as a success.
+CORRUPTIONS = ("redrawn", "optimist")
 
 
 def tool_error(code: str, message: str) -> ToolResult:

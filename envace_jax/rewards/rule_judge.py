@@ -8,7 +8,8 @@ environment), so rules come in two kinds:
   arguments) and ``reply_states`` (the final reply states these values);
 * the outcome, fixed when the task was made: ``effects`` (when the final reply is given, the
   calls of the state-changing ``tools`` that succeeded are exactly ``calls``, as a multiset:
-  nothing missing, nothing extra);
+  nothing missing, nothing extra; with ``no_refusals``, also none of those tools' calls was
+  refused by the world, i.e. answered with a domain error);
 * consistency with the trajectory's own observations: ``arg_from`` (an argument of a call
   equals a value that an earlier result of the ``source`` tool returned) and ``reply_from``
   (the final reply states the ``key`` of the last ``source`` result).
@@ -22,7 +23,8 @@ Rule vocabulary (``ChecklistItem.rule``):
     {"kind": "arg_from", "tool": str, "arg": str, "source": str}
     {"kind": "reply_states", "values": [str, ...]}
     {"kind": "reply_from", "source": str, "key": str}
-    {"kind": "effects", "tools": [str, ...], "calls": [{"name": str, "arguments": {...}}, ...]}
+    {"kind": "effects", "tools": [str, ...], "calls": [{"name": str, "arguments": {...}}, ...],
+     "no_refusals": bool (optional, default false)}
 
 Each item is checked on every assistant step of its turn; the turn's verdicts are aggregated
 by the reference's checklist semantics (see `envace_jax.rewards.checklist`): an item passes
@@ -138,6 +140,11 @@ def _observed(history: Sequence[Call], source: str) -> list[Any]:
     ]
 
 
+def _refused(result: Any) -> bool:
+    """A domain error: the world declined a well-formed call (a call error never reached it)."""
+    return error_code(result) is not None and not is_call_error(result)
+
+
 def check_rule(rule: Mapping[str, Any], step: Step, history: Sequence[Call]) -> bool:
     """Whether one assistant `step` satisfies `rule`, given every earlier call of the
     trajectory (`history`, with results) for the consistency kinds."""
@@ -177,6 +184,10 @@ def check_rule(rule: Mapping[str, Any], step: Step, history: Sequence[Call]) -> 
             if c.name in rule["tools"] and c.result is not None and error_code(c.result) is None
         ]
         want = [(c["name"], c["arguments"]) for c in rule["calls"]]
+        if rule.get("no_refusals") and any(
+            c.name in rule["tools"] and c.result is not None and _refused(c.result) for c in history
+        ):
+            return False
         return effects_key(made) == effects_key(want)
     raise ValueError(f"unknown rule kind {kind!r}; expected one of {RULE_KINDS}")
 

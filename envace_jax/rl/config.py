@@ -110,7 +110,8 @@ class OptimConfig(Section):
     learning_rate: float = knob(1e-6, number(0))  # Peak learning rate.
     # 'constant', 'cosine' or 'linear' decay after warmup.
     schedule: str = knob("constant", one_of(*SCHEDULES))
-    warmup_steps: int = knob(0, integer(0))  # Linear warmup from 0 over this many updates.
+    # Linear warmup over this many updates, from peak / warmup_steps up to the peak.
+    warmup_steps: int = knob(0, integer(0))
     # Updates from the end of warmup to the end of decay (cosine/linear).
     decay_steps: int = knob(0, integer(0))
     end_lr_ratio: float = knob(0.0, number(0))  # Final lr / peak lr (cosine/linear).

@@ -25,8 +25,11 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
         after = optax.linear_schedule(peak, end, cfg.decay_steps)
     if cfg.warmup_steps == 0:
         return after
-    warmup = optax.linear_schedule(0.0, peak, cfg.warmup_steps)
-    return optax.join_schedules([warmup, after], [cfg.warmup_steps])
+    # Update k of the warmup (k = 0, 1, ...) runs at peak * (k + 1) / warmup_steps: a warmup
+    # from 0 would spend its first update at lr 0, and a short RL phase half its budget there.
+    w = cfg.warmup_steps
+    warmup = optax.linear_schedule(peak / w, peak, w - 1)
+    return optax.join_schedules([warmup, after], [w])
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:

@@ -11,6 +11,7 @@ mode                    trajectories           REHEARSE (environment) by     tra
 `envace_noshare`        world rehearsal        a second parameter set        each set its role
 `external_simulator`    world rehearsal        frozen copy of the warm start ACT only
 `grpo_real_env`         host turns, real env   the real environment          ACT only
+`corrupted_world`       host turns, simulator  a corrupted copy of the world ACT only
 `sft_only`              none (no RL steps)     -                             -
 ======================  =====================  ============================  ===================
 
@@ -22,7 +23,9 @@ model that never learns from the task reward. In both, sampling runs one compile
 the loop: the real observations are CONTEXT tokens, and the reward is the same rule judge as in
 world rehearsal, applied to the real trajectory (its tool results come from the real world
 state, and a call error zeroes the turn), so the modes differ only in where observations come
-from.
+from. `corrupted_world` is the same GRPO against a deliberately wrong copy of the world
+(`rollout.corruption`, the domain's `corrupted_envs`): the control that shows how much worse a
+policy trained on wrong responses acts. It calls no environment (its calls are simulator calls).
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ from envace_jax.sampling.sampler import Sampler
 class ModeSpec:
     """How one training mode gets its RL batch.
 
-    rollout: 'rehearsal' (world rehearsal, no environment), 'real_env' (host turns) or 'none'.
+    rollout: 'rehearsal' (world rehearsal, no environment), 'real_env' (host turns), 'simulator'
+      (host turns against a corrupted copy of the world) or 'none'.
     rehearser: who writes REHEARSE tokens: 'policy' (the trained params), 'separate' (a second
       trained parameter set), 'frozen' (the warm start, never trained) or 'none'.
     """
@@ -70,6 +74,7 @@ MODE_SPECS = {
         ModeSpec("envace_noshare", "rehearsal", "separate", "world rehearsal, a policy per role"),
         ModeSpec("grpo_real_env", "real_env", "none", "GRPO in the real environment"),
         ModeSpec("external_simulator", "rehearsal", "frozen", "GRPO, frozen model as environment"),
+        ModeSpec("corrupted_world", "simulator", "none", "GRPO in a corrupted copy of the world"),
         ModeSpec("sft_only", "none", "none", "the warm start, no RL"),
     )
 }

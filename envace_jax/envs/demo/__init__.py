@@ -2,13 +2,23 @@
 
 from envace_jax.envs.demo.env import DemoEnv
 from envace_jax.envs.demo.oracle import demonstrations, oracle_messages, response_tools
-from envace_jax.envs.demo.tasks import FAMILIES, SPLITS, generate_tasks, make_task, world_seed
+from envace_jax.envs.demo.tasks import (
+    FAMILIES,
+    FAMILY_TOOLS,
+    SPLITS,
+    STRATA,
+    generate_tasks,
+    make_task,
+    world_seed,
+)
 from envace_jax.envs.demo.tools import STATE_CHANGING, TOOL_NAMES, TOOL_SCHEMAS
 
 __all__ = [
     "FAMILIES",
+    "FAMILY_TOOLS",
     "SPLITS",
     "STATE_CHANGING",
+    "STRATA",
     "TOOL_NAMES",
     "TOOL_SCHEMAS",
     "DemoEnv",

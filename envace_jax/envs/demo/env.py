@@ -16,7 +16,7 @@ from envace_jax.envs.base import (
     error_code,
     tool_error,
 )
-from envace_jax.envs.demo.tools import STATE_CHANGING, execute
+from envace_jax.envs.demo.tools import STATE_CHANGING, execute, is_refusal
 from envace_jax.envs.demo.world import World, copy_world
 
 
@@ -54,9 +54,13 @@ class DemoEnv:
     `reset(task)` loads ``task.ground_truth["initial_state"]``; `step` executes calls against
     that copy only; `success` compares the world with ``ground_truth["final_state"]``, checks
     that the changes that succeeded are the solution's (no extra ones that happen to cancel
-    out), and looks for every ``ground_truth["reply_facts"]`` value in the final reply. Only
-    the task's own tools (``task.tools``) can be called.
+    out) and that the world refused none (a refused change is recorded, as a real system logs
+    a declined payment: trying the wrong branch costs the task), and looks for every
+    ``ground_truth["reply_facts"]`` value in the final reply. Only the task's own tools
+    (``task.tools``) can be called.
     """
+
+    strict = True  # the world refuses changes its rules forbid (`envs.demo.corrupt` relaxes it)
 
     def __init__(self) -> None:
         self._task_id: str | None = None
@@ -65,6 +69,7 @@ class DemoEnv:
         self._gt: Mapping[str, Any] = {}
         self._n_calls = 0
         self._changes: list[tuple[str, Any]] = []
+        self._refused: list[tuple[str, Any]] = []
 
     def reset(self, task: Any) -> None:
         self._gt = _ground_truth(task)
@@ -73,6 +78,7 @@ class DemoEnv:
         self._world = copy_world(self._gt["initial_state"])
         self._n_calls = 0
         self._changes: list[tuple[str, Any]] = []  # state-changing calls that succeeded
+        self._refused: list[tuple[str, Any]] = []  # state-changing calls the world refused
 
     def _require_reset(self) -> World:
         if self._world is None:
@@ -99,18 +105,25 @@ class DemoEnv:
                 args = json.loads(args)
             except ValueError:
                 return tool_error(BAD_ARGS, f"{name}: arguments are not JSON")
-        result = execute(world, name, args)
+        result = execute(world, name, args, strict=self.strict)
         if name in STATE_CHANGING and error_code(result) is None:
             self._changes.append((name, args))
+        elif is_refusal(name, result):
+            self._refused.append((name, args))
         return result
 
     def state(self) -> dict[str, Any]:
         world = self._require_reset()
-        return {"task_id": self._task_id, "world": copy_world(world), "n_calls": self._n_calls}
+        return {
+            "task_id": self._task_id,
+            "world": copy_world(world),
+            "n_calls": self._n_calls,
+            "refused": [{"name": n, "arguments": a} for n, a in self._refused],
+        }
 
     def success(self, final_reply: str) -> bool:
         world = self._require_reset()
-        if world != self._gt["final_state"]:
+        if world != self._gt["final_state"] or self._refused:
             return False
         solution = self._gt.get("solution")
         if solution is not None:  # the goal reached by the requested changes only

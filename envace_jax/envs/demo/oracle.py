@@ -3,6 +3,10 @@
 The oracle plays a task's ground-truth solution against the real `DemoEnv`, one call per
 assistant message (later calls use values that earlier results returned), then gives the
 templated final reply. Its conversation is the task's reference conversation.
+
+The warm start also imitates imperfect agents: one that makes the lookups and then takes its
+family's default action whatever the lookup said (`default_messages`), and one that stops a
+call short (`unfinished_messages`).
 """
 
 from __future__ import annotations
@@ -13,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from envace_jax.envs.base import ToolResult, error_code, result_text
 from envace_jax.envs.demo.env import DemoEnv
-from envace_jax.envs.demo.tools import execute
-from envace_jax.envs.demo.world import OPEN, SHIPPED, World, copy_world, find
+from envace_jax.envs.demo.tools import STATE_CHANGING, execute
+from envace_jax.envs.demo.world import World, copy_world
 
-# Domain errors a recovery demonstration shows: an unknown id, an order in the wrong status, an
-# amount over the balance.
-RECOVERED_ERRORS = ("not_found", "bad_status", "no_funds")
+# The domain error a recovery demonstration shows: a lookup of an unknown id. (A refused change
+# would fail the task whatever followed, so no demonstration recovers from one.)
+RECOVERED_ERRORS = ("not_found",)
 _ID_PREFIXES = ("M", "C", "A", "O")
 
 if TYPE_CHECKING:
@@ -65,35 +69,29 @@ def oracle_messages(task: Any, env: DemoEnv | None = None) -> list[dict[str, Any
 
 
 def _wrong_calls(rng: random.Random, world: World, call: dict[str, Any]) -> list[dict]:
-    """Variants of `call` that `world` may refuse with a domain error: an id that does not
-    exist, an order in the wrong status for the tool, an amount over the payer's balance."""
+    """Variants of `call` with an id that does not exist in `world`."""
     name, args = call["name"], call["arguments"]
     out = []
+    text = str(world)
     for key, value in args.items():
         if isinstance(value, str) and value[:1] in _ID_PREFIXES:
-            text = str(world)
             free = [f"{value[0]}{n}" for n in range(1, 10) if f"'{value[0]}{n}'" not in text]
             if free:
                 out.append({"name": name, "arguments": {**args, key: rng.choice(free)}})
-    if name in ("cancel_order", "refund"):
-        need = OPEN if name == "cancel_order" else SHIPPED
-        for o in world["orders"]:
-            if o["status"] != need:
-                out.append({"name": name, "arguments": {"order_id": o["id"]}})
-    if name == "transfer" and (payer := find(world, "accounts", id=args["from_id"])):
-        amount = payer["balance"] + rng.randint(1, 20)
-        out.append({"name": name, "arguments": {**args, "amount": amount}})
     return out
 
 
 def recovery_messages(task: Any, rng: random.Random, env: DemoEnv | None = None):
-    """The oracle conversation of `task` with one failing call before one of its solution
-    calls: a wrong variant of that call (`_wrong_calls`) that the real environment refuses with
-    one of `RECOVERED_ERRORS`, its error response, then the right call and the rest. None when
-    no variant fails that way."""
+    """The oracle conversation of `task` with one failing lookup before one of its solution's
+    lookups: a wrong variant of that call (`_wrong_calls`) that the real environment answers
+    with one of `RECOVERED_ERRORS`, its error response, then the right call and the rest. None
+    when no variant fails that way."""
     env = env or DemoEnv()
     solution = task.ground_truth["solution"]
-    at = rng.randrange(len(solution))
+    lookups = [i for i, c in enumerate(solution) if c["name"] not in STATE_CHANGING]
+    if not lookups:
+        return None
+    at = rng.choice(lookups)
     env.reset(task)
     results = [env.step([c])[0] for c in solution[:at]]
     world = env.state()["world"]
@@ -111,6 +109,21 @@ def recovery_messages(task: Any, rng: random.Random, env: DemoEnv | None = None)
     return conversation(task.messages, calls, results, task.ground_truth["final_reply"])
 
 
+def default_messages(task: Any, env: DemoEnv | None = None) -> list[dict[str, Any]]:
+    """An agent that makes the task's lookups, then its family's default action whatever the
+    lookups said (`ground_truth['default_call']`), answered by the real environment: the
+    oracle's conversation where the default is the branch's action, else the refusal and the
+    agent's report of it (`ground_truth['refused_reply']`)."""
+    env = env or DemoEnv()
+    env.reset(task)
+    gt = task.ground_truth
+    lookups = [c for c in gt["solution"] if c["name"] not in STATE_CHANGING]
+    calls = [*lookups, gt["default_call"]]
+    results = [env.step([c])[0] for c in calls]
+    reply = gt["final_reply"] if error_code(results[-1]) is None else gt["refused_reply"]
+    return conversation(task.messages, calls, results, reply)
+
+
 def unfinished_messages(task: Any, env: DemoEnv | None = None) -> list[dict[str, Any]]:
     """The oracle conversation of `task` without its last call and that call's response: the
     agent gives the final reply one call early, claiming a change it did not make."""
@@ -124,6 +137,7 @@ def demonstrations(
     failure_fraction: float = 0.0,
     seed: int = 0,
     unfinished_fraction: float = 0.0,
+    default_fraction: float = 0.0,
 ) -> list[EncodedConversation]:
     """Warm-start SFT sequences: each task's oracle conversation encoded as one role-tagged
     token sequence (`EncodedConversation`: ids/roles/segments, each [T]). Assistant messages
@@ -131,8 +145,10 @@ def demonstrations(
     both to act and to predict what the world answers. A share `failure_fraction` of them (drawn
     from `seed`) shows a failing call, its real error response and the recovery
     (`recovery_messages`), so that both roles see what a failure looks like. Another share
-    `unfinished_fraction` (drawn independently) stops one call short (`unfinished_messages`):
-    demonstrations logged from an imperfect agent, whose mistake RL can find and undo."""
+    `unfinished_fraction` (drawn independently) stops one call short (`unfinished_messages`),
+    and a share `default_fraction` takes the family's default action whatever the lookup said
+    (`default_messages`): demonstrations logged from an imperfect agent, whose mistake RL can
+    find and undo."""
     # Imported here: the environment itself needs no tokenizer machinery.
     from envace_jax.text.trajectory import encode_conversation
 
@@ -141,7 +157,9 @@ def demonstrations(
     for i, t in enumerate(tasks):
         rng = random.Random(f"{seed}-{i}-recovery")
         messages = None
-        if random.Random(f"{seed}-{i}-unfinished").random() < unfinished_fraction:
+        if random.Random(f"{seed}-{i}-default").random() < default_fraction:
+            messages = default_messages(t, env)
+        elif random.Random(f"{seed}-{i}-unfinished").random() < unfinished_fraction:
             messages = unfinished_messages(t, env)
         elif rng.random() < failure_fraction:
             messages = recovery_messages(t, rng, env)

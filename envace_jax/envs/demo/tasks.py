@@ -1,30 +1,27 @@
-"""Demo task generation: task families by number of calls, ground truth, rule checklists.
+"""Demo task generation: task families, strata, ground truth, rule checklists.
 
-A task is one world (from its own seed) plus one templated instruction from a family:
+A task is one world (from its own seed) plus one templated instruction from a family
+(`envs.demo.families`): the family is drawn uniformly, then the branch, then the stratum.
 
-| calls | families |
-|---|---|
-| 1 | cancel, refund, transfer |
-| 2 | cancel_by_item (list_orders, cancel), pay_by_member (find_customer, transfer),
-|   | resolve (get_order, cancel or refund), sweep (get_balance, transfer) |
-| 3 | cancel_by_member, refund_by_member (find_customer, list_orders, act),
-|   | pay_member_to_member (find_customer x2, transfer) |
-| 4 | pay_and_cancel (find_customer, transfer, list_orders, cancel),
-|   | settle_two (find_customer, list_orders, cancel, refund) |
+| family | lookups | branches (the status the last lookup shows) |
+|---|---|---|
+| close | get_order | open: cancel_order; shipped: refund; cancelled or refunded: reply |
+| close_item | list_orders | the same, for the customer's order of an item |
+| close_member | find_customer, list_orders | the same, for a member's order of an item |
+| sweep | get_balance | active: transfer all of it; frozen: reply |
+| sweep_member | find_customer, get_balance | the same, for a member's account |
 
-The number of calls is drawn uniformly from 1..4, then the family uniformly within it. Every
-family changes the world (success is checked on the final state) and its final reply states a
-value that only an observation gives (a new balance, or the amount moved). Member-based
-families name the customer by member number, which only `find_customer` maps to the customer
-and account ids.
+**Strata.** In a *visible* task the system turn's records table shows every status, so the
+branch can be read (and a tool response rehearsed) from the context. In a *hidden* task the
+table leaves the statuses out (`render_records(hidden=True)`): only the lookup's response shows
+the branch, so a rehearser that has not seen it can only guess. `metadata['stratum']` records
+which, and `HIDDEN_SHARE` of the tasks are hidden.
 
-Worlds are small (3 customers, 1-2 orders each) and the system turn carries their records
-table, so every lookup result is determined by the context and every state change by a rule
-the tool descriptions state: rehearsing the world is learnable. The table also means an actor
-could skip lookups; the checklist's consistency items (an id passed on must come from an
-earlier result) are what reward looking things up, while success and the ground-truth items
-reward the outcome. Each task offers the tools its solution uses plus `EXTRA_TOOLS`
-distractors (all seven tool schemas would cost ~600 prompt tokens with the demo tokenizer).
+Every call of the right branch succeeds, the wrong branch's change is refused, and a refusal
+fails the task, as does the wrong reply. The final reply states a value only an observation
+gives (a new balance, the amount moved, or the status that stopped the change). Each task
+offers the union of its family's branch tools plus `EXTRA_TOOLS` distractors, so the offered
+tools do not give the branch away.
 
 World seeds: task ``i`` of ``generate_tasks(seed, n, split)`` uses world seed
 ``(seed * 1_000_003 + i) * 3 + SPLITS.index(split)``, so different splits never share a world
@@ -38,7 +35,7 @@ import random
 
 from envace_jax.data.tasks import Task
 from envace_jax.envs.base import error_code, observed_values
-from envace_jax.envs.demo.families import FAMILIES
+from envace_jax.envs.demo.families import FAMILIES, Plan
 from envace_jax.envs.demo.oracle import conversation
 from envace_jax.envs.demo.tools import STATE_CHANGING, TOOL_SCHEMAS, execute
 from envace_jax.envs.demo.world import (
@@ -49,11 +46,24 @@ from envace_jax.envs.demo.world import (
 )
 
 SPLITS = ("train", "validation", "test")
+STRATA = ("hidden", "visible")
+HIDDEN_SHARE = 0.5  # share of tasks whose records table leaves the statuses out
 MAX_TASKS_PER_SEED = 1_000_003
-EXTRA_TOOLS = 1  # distractor tools offered next to the ones a task's solution uses
+EXTRA_TOOLS = 0  # distractor tools offered next to the family's branch tools (the union of
+# the branches already holds tools a task does not use; each more costs ~35 prompt tokens)
+# The tools each family may need on some branch (offered whatever the task's branch is).
+FAMILY_TOOLS = {
+    "close": ("get_order", "cancel_order", "refund"),
+    "close_item": ("list_orders", "cancel_order", "refund"),
+    "close_member": ("find_customer", "list_orders", "cancel_order", "refund"),
+    "sweep": ("get_balance", "transfer"),
+    "sweep_member": ("find_customer", "get_balance", "transfer"),
+}
 SYSTEM_PROMPT = (
     "Shop assistant: use the tools, take ids from tool results, reply with the result.\n"
-    "Errors: unknown id not_found, wrong status bad_status, over balance no_funds.\n"
+    "Look the status up. Close: cancel if open, refund if shipped, else it is already closed. "
+    "A frozen account cannot send.\n"
+    "Errors: unknown id not_found, wrong status bad_status, frozen account frozen.\n"
 )
 # Raw checklist weights of the progress items (normalised with the outcome items to sum to 1
 # per turn). Each of the two outcome items (`effects`, `reply_states`) weighs one more than all
@@ -97,16 +107,16 @@ def tool_lines(names) -> str:
     return "tools:\n" + "\n".join(lines) + "\n"
 
 
-def _draw_plan(rng: random.Random, ws: int):
-    """(n_calls, family, world, plan): a family, then worlds until one fits it."""
-    n_calls = rng.randint(1, 4)
-    family = rng.choice(sorted(FAMILIES[n_calls]))
+def _draw_plan(rng: random.Random, ws: int) -> tuple[str, World, Plan]:
+    """(family, world, plan): a family, then worlds until one fits it (the family sets the
+    status its branch needs; the world is the task's initial state)."""
+    family = rng.choice(sorted(FAMILIES))
     for _ in range(1000):
         world = generate_world(rng, n_customers=3)
-        plan = FAMILIES[n_calls][family](rng, world)
+        plan = FAMILIES[family](rng, world)
         if plan is not None:
-            return n_calls, family, world, plan
-    # pragma: no cover - every family fits a few percent of worlds at least
+            return family, world, plan
+    # pragma: no cover - every family fits most worlds
     raise RuntimeError(f"no world fits family {family!r} (world seed {ws})")
 
 
@@ -123,6 +133,10 @@ def _run_solution(state: World, solution: list[dict], ws: int) -> list[dict]:
     return observations
 
 
+def _call_of(c: dict) -> dict:
+    return {"name": c["name"], "arguments": c["arguments"]}
+
+
 def make_task(
     seed: int,
     index: int,
@@ -130,8 +144,9 @@ def make_task(
     extra_tools: int = EXTRA_TOOLS,
     tools_in_system: bool = True,
 ) -> Task:
-    """Task `index` of (`seed`, `split`): draw a family, then worlds until one fits it, then
-    run the solution on a copy of the world to get observations, final state and reply.
+    """Task `index` of (`seed`, `split`): draw a family, then worlds until one fits it, then the
+    stratum; run the solution on a copy of the world to get observations, final state and
+    reply.
 
     tools_in_system: describe the offered tools in the system turn (`tool_lines`) and mark the
     task `render_tools: false`, so prompts skip the chat template's JSON-schema tools block;
@@ -140,40 +155,51 @@ def make_task(
         raise ValueError(f"extra_tools must be >= 0, got {extra_tools}")
     ws = world_seed(seed, index, split)
     rng = random.Random(ws)
-    n_calls, family, world, plan = _draw_plan(rng, ws)
-    instruction, solution, reply_template, (src_call, src_key) = plan
+    family, world, plan = _draw_plan(rng, ws)
+    stratum = "hidden" if rng.random() < HIDDEN_SHARE else "visible"
+    solution = plan.solution
     state = copy_world(world)
     observations = _run_solution(state, solution, ws)
-    value = observations[src_call][src_key]
-    final_reply = reply_template.format(v=value)
+    if plan.reply_source is None:  # the status inside a listing
+        value, reply_source = plan.branch, None
+    else:
+        i, key = plan.reply_source
+        value, reply_source = observations[i][key], (solution[i]["name"], key)
+    final_reply = plan.reply.format(v=value)
+    facts = [str(value), *plan.extra_facts]
 
-    # Offered tools: the solution's plus distractors, in one fixed order (drawn last, so the
+    # Offered tools: every branch's plus distractors, in one fixed order (drawn last, so the
     # world and the solution do not depend on `extra_tools`).
-    used = {c["name"] for c in solution}
+    used = set(FAMILY_TOOLS[family])
     others = [name for name in TOOL_SCHEMAS if name not in used]
     offered = used | set(rng.sample(others, min(extra_tools, len(others))))
 
     task_id = f"demo-{split}-{seed}-{index}"
     offered_names = [name for name in TOOL_SCHEMAS if name in offered]
     tool_text = tool_lines(offered_names) if tools_in_system else ""
+    records = render_records(world, hidden=stratum == "hidden")
     messages = [
-        {"role": "system", "content": SYSTEM_PROMPT + tool_text + render_records(world)},
-        {"role": "user", "content": instruction},
+        {"role": "system", "content": SYSTEM_PROMPT + tool_text + records},
+        {"role": "user", "content": plan.instruction},
     ]
-    calls = [{"name": c["name"], "arguments": c["arguments"]} for c in solution]
+    calls = [_call_of(c) for c in solution]
     ground_truth = {
         "family": family,
-        "n_calls": n_calls,
+        "stratum": stratum,
+        "branch": plan.branch,
+        "n_calls": len(calls),
         "world_seed": ws,
         "initial_state": world,
         "solution": calls,
         "observations": observations,
         "final_state": state,
-        "reply_facts": [str(value)],
+        "reply_facts": facts,
         "final_reply": final_reply,
+        "default_call": _call_of(plan.default),
+        "refused_reply": plan.refused_reply,
     }
     reference = conversation(messages, calls, observations, final_reply)
-    items = _checklist(solution, calls, (calls[src_call]["name"], src_key), str(value), reference)
+    items = _checklist(solution, calls, reply_source, facts, reference)
     # Built through the record's own validation, so a generated task is always a valid record.
     return Task.from_dict(
         {
@@ -186,17 +212,20 @@ def make_task(
             "metadata": {
                 "data_source": "demo",
                 "family": family,
-                "n_calls": n_calls,
+                "stratum": stratum,
+                "branch": plan.branch,
+                "n_calls": len(calls),
                 "render_tools": not tools_in_system,
             },
         }
     )
 
 
-def _checklist(solution, calls, reply_source, fact, reference) -> list[dict]:
+def _checklist(solution, calls, reply_source, facts, reference) -> list[dict]:
     """Rule items: progress (each solution call, and the trajectory's consistency with its own
     observations: ids and values taken from results), then the outcome (exactly the solution's
-    changes, and the final reply's value), weighted so that the outcome ranks first."""
+    changes with none refused, and the final reply's facts), weighted so that the outcome ranks
+    first."""
     raw: list[tuple[float, str, str, str, dict]] = []
     final_reply = reference[-1]["content"]
     for sol, call in zip(solution, calls, strict=True):
@@ -223,35 +252,43 @@ def _checklist(solution, calls, reply_source, fact, reference) -> list[dict]:
                     {"kind": "arg_from", "tool": name, "arg": arg, "source": src},
                 )
             )
-    src, key = reply_source
-    raw.append(
-        (
-            W_REPLY_CONSISTENT,
-            f"Does the final reply state the {key} that the last {src} result returned?",
-            "assistant.content.user_visible_reply",
-            f"The final reply states the {key} of the last {src} result.",
-            {"kind": "reply_from", "source": src, "key": key},
+    if reply_source is not None:
+        src, key = reply_source
+        raw.append(
+            (
+                W_REPLY_CONSISTENT,
+                f"Does the final reply state the {key} that the last {src} result returned?",
+                "assistant.content.user_visible_reply",
+                f"The final reply states the {key} of the last {src} result.",
+                {"kind": "reply_from", "source": src, "key": key},
+            )
         )
-    )
     outcome = sum(r[0] for r in raw) + 1.0
     changes = [c for c in calls if c["name"] in STATE_CHANGING]
-    text = ", ".join(f"{c['name']}({json.dumps(c['arguments'])})" for c in changes)
+    text = ", ".join(f"{c['name']}({json.dumps(c['arguments'])})" for c in changes) or "none"
     raw.append(
         (
             outcome,
-            f"Are the changes made exactly {text}?",
+            f"Are the changes made exactly {text}, with no change refused?",
             "assistant.tool_calls",
-            f"By the final reply, the state-changing calls that succeeded are exactly {text}.",
-            {"kind": "effects", "tools": sorted(STATE_CHANGING), "calls": changes},
+            f"By the final reply, the state-changing calls that succeeded are exactly {text}, "
+            "and none was refused.",
+            {
+                "kind": "effects",
+                "tools": sorted(STATE_CHANGING),
+                "calls": changes,
+                "no_refusals": True,
+            },
         )
     )
+    stated = " and ".join(facts)
     raw.append(
         (
             outcome,
-            f"Does the final reply state {fact}?",
+            f"Does the final reply state {stated}?",
             "assistant.content.user_visible_reply",
-            f"The final reply states the value {fact}.",
-            {"kind": "reply_states", "values": [fact]},
+            f"The final reply states {stated}.",
+            {"kind": "reply_states", "values": list(facts)},
         )
     )
     total = sum(r[0] for r in raw)

@@ -4,13 +4,17 @@ Every response follows a rule stated in the tool's description or readable from 
 table in the system turn, so a policy can learn to rehearse it:
 
 * lookups (`find_customer`, `list_orders`, `get_order`, `get_balance`) return rows of the
-  current world;
+  current world, statuses included (the hidden state a task's next call depends on);
 * `cancel_order` (open orders) and `refund` (shipped orders) add the order's price to its
   owner's balance and return the new balance;
 * `transfer` moves an amount between two accounts and returns the payer's new balance
   (old balance - amount);
-* an unknown id gives ``not_found``, a wrong order status ``bad_status``, an amount over the
-  balance ``no_funds``, an amount below 1 ``bad_amount``, equal accounts ``same_account``.
+* an unknown id gives ``not_found``, a wrong order status ``bad_status``, a frozen payer
+  ``frozen``, an amount over the balance ``no_funds``, an amount below 1 ``bad_amount``, equal
+  accounts ``same_account``.
+
+A change the world refuses is a *refusal* (`is_refusal`); the environment records it, and a
+task whose episode made one fails (`envs.demo.env`).
 """
 
 from __future__ import annotations
@@ -18,8 +22,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from envace_jax.envs.base import BAD_ARGS, UNKNOWN_TOOL, ToolResult, tool_error
-from envace_jax.envs.demo.world import CANCELLED, OPEN, REFUNDED, SHIPPED, World, find
+from envace_jax.envs.base import (
+    BAD_ARGS,
+    CALL_ERROR_CODES,
+    UNKNOWN_TOOL,
+    ToolResult,
+    error_code,
+    tool_error,
+)
+from envace_jax.envs.demo.world import CANCELLED, FROZEN, OPEN, REFUNDED, SHIPPED, World, find
 
 
 def _schema(tool: str, description: str, /, **params: str) -> dict[str, Any]:
@@ -44,7 +55,7 @@ TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
         _schema("find_customer", "Customer by member number: id, account.", member="string"),
         _schema("list_orders", "A customer's orders: id, item, status.", customer_id="string"),
         _schema("get_order", "An order: id, customer, item, price, status.", order_id="string"),
-        _schema("get_balance", "An account's balance.", account_id="string"),
+        _schema("get_balance", "An account's balance and status.", account_id="string"),
         _schema(
             "cancel_order",
             "Cancel an open order; its price goes to the owner's balance. Gives it.",
@@ -57,7 +68,7 @@ TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
         ),
         _schema(
             "transfer",
-            "Move amount (at least 1) between accounts. Gives from_id's balance.",
+            "Move amount (at least 1) from an active account. Gives from_id's balance.",
             from_id="string",
             to_id="string",
             amount="integer",
@@ -66,7 +77,14 @@ TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 TOOL_NAMES = tuple(TOOL_SCHEMAS)
 STATE_CHANGING = frozenset({"cancel_order", "refund", "transfer"})
-DOMAIN_ERROR_CODES = ("not_found", "bad_status", "no_funds", "bad_amount", "same_account")
+DOMAIN_ERROR_CODES = ("not_found", "bad_status", "frozen", "no_funds", "bad_amount", "same_account")
+
+
+def is_refusal(name: str, result: Any) -> bool:
+    """Whether `result` is the world refusing the state-changing call `name` (a domain error:
+    a call error is not a refusal, the call never reached the world)."""
+    code = error_code(result)
+    return name in STATE_CHANGING and code is not None and code not in CALL_ERROR_CODES
 
 
 def check_arguments(name: str, arguments: Any) -> ToolResult | None:
@@ -130,14 +148,14 @@ def _get_balance(world: World, account_id: str) -> ToolResult:
     a = find(world, "accounts", id=account_id)
     if a is None:
         return tool_error("not_found", f"no account {account_id}")
-    return {"account": a["id"], "balance": a["balance"]}
+    return {"account": a["id"], "balance": a["balance"], "status": a["status"]}
 
 
-def _settle(world: World, order_id: str, need: str, new: str) -> ToolResult:
+def _settle(world: World, order_id: str, need: str, new: str, strict: bool) -> ToolResult:
     o = find(world, "orders", id=order_id)
     if o is None:
         return tool_error("not_found", f"no order {order_id}")
-    if o["status"] != need:
+    if strict and o["status"] != need:
         return tool_error("bad_status", f"order {order_id} is {o['status']}")
     o["status"] = new
     account = _balance_of_owner(world, o)
@@ -145,15 +163,15 @@ def _settle(world: World, order_id: str, need: str, new: str) -> ToolResult:
     return {"id": order_id, "status": new, "balance": account["balance"]}
 
 
-def _cancel_order(world: World, order_id: str) -> ToolResult:
-    return _settle(world, order_id, OPEN, CANCELLED)
+def _cancel_order(world: World, order_id: str, strict: bool) -> ToolResult:
+    return _settle(world, order_id, OPEN, CANCELLED, strict)
 
 
-def _refund(world: World, order_id: str) -> ToolResult:
-    return _settle(world, order_id, SHIPPED, REFUNDED)
+def _refund(world: World, order_id: str, strict: bool) -> ToolResult:
+    return _settle(world, order_id, SHIPPED, REFUNDED, strict)
 
 
-def _transfer(world: World, from_id: str, to_id: str, amount: int) -> ToolResult:
+def _transfer(world: World, from_id: str, to_id: str, amount: int, strict: bool) -> ToolResult:
     src = find(world, "accounts", id=from_id)
     dst = find(world, "accounts", id=to_id)
     if src is None:
@@ -164,7 +182,9 @@ def _transfer(world: World, from_id: str, to_id: str, amount: int) -> ToolResult
         return tool_error("same_account", "from_id equals to_id")
     if amount < 1:
         return tool_error("bad_amount", f"amount {amount} is below 1")
-    if amount > src["balance"]:
+    if strict and src["status"] == FROZEN:
+        return tool_error("frozen", f"account {from_id} is frozen")
+    if strict and amount > src["balance"]:
         return tool_error("no_funds", f"balance of {from_id} is below {amount}")
     src["balance"] -= amount
     dst["balance"] += amount
@@ -182,11 +202,15 @@ _IMPL: dict[str, Callable[..., ToolResult]] = {
 }
 
 
-def execute(world: World, name: str, arguments: Any) -> ToolResult:
-    """Run one call on `world` (mutated in place); a tool error response when it fails."""
+def execute(world: World, name: str, arguments: Any, strict: bool = True) -> ToolResult:
+    """Run one call on `world` (mutated in place); a tool error response when it fails.
+    `strict=False` makes every change the world has the entities for, whatever their status
+    or balance (a world that never refuses: the 'optimist' corruption, `envs.demo.corrupt`)."""
     err = check_arguments(name, arguments)
     if err is not None:
         return err
     if "amount" in arguments:
         arguments = {**arguments, "amount": as_int(arguments["amount"])}
+    if name in STATE_CHANGING:
+        return _IMPL[name](world, **arguments, strict=strict)
     return _IMPL[name](world, **arguments)

@@ -4,13 +4,17 @@ A world is a plain JSON-serialisable dict, so it can sit inside a task record an
 for equality:
 
     {"customers": [{"id": "C3", "member": "M5", "account": "A7"}, ...],
-     "accounts":  [{"id": "A7", "balance": 120}, ...],
+     "accounts":  [{"id": "A7", "balance": 120, "status": "active"}, ...],
      "orders":    [{"id": "O5", "customer": "C3", "item": "lamp", "price": 12,
                     "status": "open"}, ...]}
 
 Order status is one of ``open`` (can be cancelled), ``shipped`` (can be refunded),
-``cancelled`` or ``refunded``. Strings are short (one-digit ids like ``C3``/``A7``/``O5``,
-member numbers like ``M5``, integer amounts below 100) so that prompts stay short and a policy
+``cancelled`` or ``refunded``; account status is ``active`` or ``frozen`` (a frozen account
+cannot send money). Statuses are the world's *hidden state*: the records table of a task in the
+hidden stratum leaves them out (`render_records(hidden=True)`), so only a lookup shows them.
+
+Strings are short (one-digit ids like ``C3``/``A7``/``O5``, member numbers like ``M5``,
+integer amounts below 100) so that prompts stay short and a policy
 of about a million parameters copies an id or an amount with one or two digit tokens: copying
 longer digit strings exactly is what such a policy fails at first (the demo tokenizer splits
 digits).
@@ -33,6 +37,12 @@ World = dict[str, Any]
 ITEMS = ("lamp", "mug", "pen", "hat", "book", "cup", "bag", "fan", "sock", "clock", "desk", "kite")
 OPEN, SHIPPED, CANCELLED, REFUNDED = "open", "shipped", "cancelled", "refunded"
 STATUSES = (OPEN, SHIPPED, CANCELLED, REFUNDED)
+ACTIVE, FROZEN = "active", "frozen"
+ACCOUNT_STATUSES = (ACTIVE, FROZEN)
+# How often an account or order that no task is about has each status (a task's own entity
+# gets the status of the branch the task draws, `envs.demo.families`).
+BACKGROUND_ORDER_STATUSES = (OPEN, OPEN, SHIPPED, SHIPPED, CANCELLED)
+BACKGROUND_ACCOUNT_STATUSES = (ACTIVE, ACTIVE, ACTIVE, FROZEN)
 
 
 def generate_world(rng: random.Random, n_customers: int = 3, max_orders: int = 2) -> World:
@@ -52,7 +62,13 @@ def generate_world(rng: random.Random, n_customers: int = 3, max_orders: int = 2
     k = 0
     for mid, cid, aid, n in zip(mids, cids, aids, n_orders, strict=True):
         world["customers"].append({"id": f"C{cid}", "member": f"M{mid}", "account": f"A{aid}"})
-        world["accounts"].append({"id": f"A{aid}", "balance": 5 * rng.randint(2, 12)})
+        world["accounts"].append(
+            {
+                "id": f"A{aid}",
+                "balance": 5 * rng.randint(2, 12),
+                "status": rng.choice(BACKGROUND_ACCOUNT_STATUSES),
+            }
+        )
         for item in rng.sample(ITEMS, n):
             world["orders"].append(
                 {
@@ -60,7 +76,7 @@ def generate_world(rng: random.Random, n_customers: int = 3, max_orders: int = 2
                     "customer": f"C{cid}",
                     "item": item,
                     "price": rng.randint(2, 15),
-                    "status": rng.choice((OPEN, OPEN, SHIPPED, SHIPPED, CANCELLED)),
+                    "status": rng.choice(BACKGROUND_ORDER_STATUSES),
                 }
             )
             k += 1
@@ -80,13 +96,18 @@ def find(world: World, table: str, **match: Any) -> dict[str, Any] | None:
     return None
 
 
-def render_records(world: World) -> str:
-    """The compact table of the world that the system turn carries (both roles read it)."""
-    lines = ["customers (member id account balance):"]
+def render_records(world: World, hidden: bool = False) -> str:
+    """The compact table of the world that the system turn carries (both roles read it);
+    `hidden` leaves the statuses out (the hidden stratum: only a lookup shows them)."""
+    status = lambda row: "" if hidden else f" {row['status']}"
+    head = "" if hidden else " status"
+    lines = [f"customers (member id account balance{head}):"]
     for c in world["customers"]:
-        bal = find(world, "accounts", id=c["account"])["balance"]
-        lines.append(f"{c['member']} {c['id']} {c['account']} {bal}")
-    lines.append("orders (id customer item price status):")
+        account = find(world, "accounts", id=c["account"])
+        lines.append(
+            f"{c['member']} {c['id']} {c['account']} {account['balance']}{status(account)}"
+        )
+    lines.append(f"orders (id customer item price{head}):")
     for o in world["orders"]:
-        lines.append(f"{o['id']} {o['customer']} {o['item']} {o['price']} {o['status']}")
+        lines.append(f"{o['id']} {o['customer']} {o['item']} {o['price']}{status(o)}")
     return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""Corrupted copies of the demo world (the sensitivity control), against the real environment:
+with corruption off they answer call for call as it does; 'redrawn' changes the statuses and
+nothing else; 'optimist' makes the changes the real world refuses, by the same rules."""
+
+import collections
+import random
+
+from envace_jax.envs import error_code
+from envace_jax.envs.demo import STATE_CHANGING, TOOL_NAMES, DemoEnv, generate_tasks
+from envace_jax.envs.demo.corrupt import CorruptedEnv, corrupted_envs, redraw
+from envace_jax.envs.registry import domain
+
+TASKS = generate_tasks(2, 300, "train")
+
+
+def _random_calls(rng, task, n=8):
+    world = task.ground_truth["initial_state"]
+    ids = [r["id"] for t in ("customers", "accounts", "orders") for r in world[t]]
+    ids += [c["member"] for c in world["customers"]]
+    calls = []
+    for _ in range(n):
+        name = rng.choice(TOOL_NAMES)
+        args = {
+            "find_customer": lambda: {"member": rng.choice(ids)},
+            "list_orders": lambda: {"customer_id": rng.choice(ids)},
+            "get_order": lambda: {"order_id": rng.choice(ids)},
+            "get_balance": lambda: {"account_id": rng.choice(ids)},
+            "cancel_order": lambda: {"order_id": rng.choice(ids)},
+            "refund": lambda: {"order_id": rng.choice(ids)},
+            "transfer": lambda: {
+                "from_id": rng.choice(ids),
+                "to_id": rng.choice(ids),
+                "amount": rng.randint(1, 60),
+            },
+        }[name]()
+        calls.append({"name": name, "arguments": args})
+    return calls
+
+
+def _all_tools(task):
+    from envace_jax.data.tasks import Task
+    from envace_jax.envs.demo import TOOL_SCHEMAS
+
+    return Task.from_dict({**task.to_dict(), "tools": list(TOOL_SCHEMAS.values())})
+
+
+def test_the_domain_offers_both_corruptions():
+    make = domain("demo").corrupted_envs
+    for kind in ("redrawn", "optimist"):
+        assert isinstance(make(kind, 1.0, 0)(), CorruptedEnv)
+
+
+def test_corruption_off_is_the_real_world_call_for_call():
+    rng = random.Random(0)
+    for kind in ("redrawn", "optimist"):
+        make = corrupted_envs(kind, 0.0, seed=3)
+        for task in TASKS[:100]:
+            task = _all_tools(task)
+            real, sim = DemoEnv(), make()
+            real.reset(task)
+            sim.reset(task)
+            calls = _random_calls(rng, task)
+            assert sim.step(calls) == real.step(calls)
+            assert sim.state() == real.state()
+
+
+def test_redrawn_changes_statuses_only_from_the_branch_distribution():
+    rng = random.Random(1)
+    orders, accounts = collections.Counter(), collections.Counter()
+    differs = 0
+    for task in TASKS:
+        world = task.ground_truth["initial_state"]
+        new = redraw(world, rng)
+        strip = lambda w: [
+            {k: v for k, v in r.items() if k != "status"} for t in sorted(w) for r in w[t]
+        ]
+        assert strip(new) == strip(world) and world == task.ground_truth["initial_state"]
+        orders.update(o["status"] for o in new["orders"])
+        accounts.update(a["status"] for a in new["accounts"])
+        differs += new != world
+    n = sum(orders.values())
+    # open : shipped : cancelled : refunded = 2 : 2 : 1 : 1, active : frozen = 1 : 1.
+    for status, share in (("open", 1 / 3), ("shipped", 1 / 3), ("cancelled", 1 / 6)):
+        assert abs(orders[status] / n - share) < 0.04, orders
+    assert abs(accounts["frozen"] / sum(accounts.values()) - 0.5) < 0.05, accounts
+    assert differs > 0.9 * len(TASKS)
+
+
+def test_redrawn_world_answers_its_own_lookups_consistently():
+    """In a hidden task, a redrawn episode's lookup shows the redrawn status, and its changes
+    follow the rules from that status (a self-consistent wrong world, as a rehearser that
+    guessed writes); a visible task's world, whose statuses its context shows, stays."""
+    make = corrupted_envs("redrawn", 1.0, seed=5)
+    wrong = hidden = 0
+    for task in TASKS[:400]:
+        gt = task.ground_truth
+        if task.metadata["stratum"] == "visible":
+            real, sim = DemoEnv(), make()
+            real.reset(task)
+            sim.reset(task)
+            assert sim.state() == real.state()
+            continue
+        hidden += 1
+        env = make()
+        env.reset(task)
+        lookups = [c for c in gt["solution"] if c["name"] not in STATE_CHANGING]
+        shown = env.step(lookups)[-1]
+        status = shown.get("status") or next(
+            o["status"]
+            for o in shown["orders"]
+            if o["id"] == gt["default_call"]["arguments"].get("order_id")
+        )
+        wrong += status != gt["branch"]
+        (result,) = env.step([gt["default_call"]])
+        accepts = {"cancel_order": ("open",), "transfer": ("active",)}[gt["default_call"]["name"]]
+        assert (error_code(result) is None) == (status in accepts), (task.task_id, status, result)
+    assert 0.4 * hidden < wrong < 0.8 * hidden  # redrawn independently of the task's branch
+
+
+def test_optimist_never_refuses_a_change_and_keeps_the_rules_of_its_effects():
+    make = corrupted_envs("optimist", 1.0, seed=0)
+    refused_by_real = 0
+    for task in TASKS[:200]:
+        gt = task.ground_truth
+        real, sim = DemoEnv(), make()
+        real.reset(task)
+        sim.reset(task)
+        (r,), (s,) = real.step([gt["default_call"]]), sim.step([gt["default_call"]])
+        assert error_code(s) is None and sim.state()["refused"] == []
+        if error_code(r) is not None:
+            refused_by_real += 1
+            assert set(s) == set(_success_of(gt["default_call"]["name"]))
+        else:
+            assert s == r
+    assert refused_by_real > 50
+
+
+def _success_of(name):
+    return {"cancel_order": ("id", "status", "balance"), "transfer": ("from", "balance")}[name]
