@@ -1,24 +1,24 @@
-"""Mini-replication of the paper's comparison on the demo domain.
+"""Mini-replication of the paper's comparison on the demo domain, with its control.
 
-    python -m envace_jax.experiments.compare --workdir DIR            # full (~59 min on 2 cores)
-    python -m envace_jax.experiments.compare --workdir DIR --quick    # quick (~8 min)
+    python -m envace_jax.experiments.compare --workdir DIR            # full
+    python -m envace_jax.experiments.compare --workdir DIR --quick    # quick
     python -m envace_jax.experiments.compare --workdir DIR --set rollout.group_size=8  # any key
-    python -m envace_jax.experiments.compare --workdir DIR --modes sft_only,grpo_real_env  # ~14 min
+    python -m envace_jax.experiments.compare --workdir DIR --modes sft_only,grpo_real_env --seeds 0
 
-Every arm (`verdicts.ARMS`: a training mode, in each rehearsal view where it rehearses; or
-those `--modes` names) x 3 seeds, with the same budget,
-on the main policy size; with a second `--presets` entry, a model-scale study: the modes that
-carry the scaling claim, on a smaller policy. Every run evaluates its final policy the same
-way (greedy and avg@4 on 256 held-out tasks, `envace_jax.evaluation`; the warm start's
-evaluation is the `sft_only` arm's), and claims are judged on avg@4. Writes
-`results.md` (tables and the claim-by-claim verdicts), `results.csv` (one line per run) and
+Every arm (`verdicts.ARMS`: the training modes, EnvACE in both rehearsal views, and the
+corrupted worlds of the sensitivity control; or those `--modes` names) x seeds, with the same
+budget. Every run evaluates its final policy the same way (greedy and avg@4 on held-out *test*
+tasks, `envace_jax.evaluation`, overall and per stratum; the warm start's evaluation is the
+`sft_only` arm's), and claims are judged on avg@4. Writes `results.md` (tables, the
+sensitivity bars and the claim-by-claim verdicts), `results.csv` (one line per run) and
 `results.png` (bars) into DIR; each run keeps its own workdir under DIR/runs/.
 
-Protocol (the same for every mode, nothing tuned per mode or on held-out tasks):
+Protocol (the same for every arm, nothing tuned per arm; the recipe was chosen on validation
+tasks, docs/recipe.md):
 * base config: `configs/demo.py` (`--config`), then the budget (`BUDGETS`), then `--set`s;
-* one warm start per policy size (mode 'sft_only', seed 0), shared by every mode and seed:
-  each RL run loads it (`schedule.warm_start_dir`) and takes the same number of optimizer
-  steps with the same rollouts per step;
+* one warm start (arm 'sft_only', seed 0), shared by every arm and seed: each RL run loads it
+  (`schedule.warm_start_dir`) and takes the same number of optimizer steps with the same
+  rollouts per step;
 * a seed picks the held-out tasks, the RL task order and the sampling; 'sft_only' with seed s
   is the warm start evaluated on seed s's held-out tasks.
 A run that finished is not run again (its `result.json` is read back), and an interrupted run
@@ -41,17 +41,16 @@ from absl import app, flags, logging
 from envace_jax.configuration import validate
 from envace_jax.experiments.verdicts import (
     ARMS,
-    SCALE_MODES,
-    SIZES,
     claims,
     plot,
     results_markdown,
+    sensitivity,
     summarize,
     write_csv,
 )
 from envace_jax.metrics import read_metrics
 
-SEEDS = (0, 1, 2)
+SEEDS = ("0", "1", "2")
 
 # Per-run overrides, the same for every mode. `full` keeps the demo config's warm start, its RL
 # steps, rollouts per step and learning-rate schedule, and evaluates on 256 held-out tasks;
@@ -73,9 +72,10 @@ BUDGETS: dict[str, dict[str, Any]] = {
         "eval.fidelity_tasks": 4,
     },
 }
-# Bookkeeping the same in every run: evaluate the final policy only (the `sft_only` arm is
-# the warm start's evaluation on each seed's tasks), checkpoint rarely.
+# Bookkeeping the same in every run: evaluate the final policy only, on test tasks (the
+# `sft_only` arm is the warm start's evaluation on each seed's tasks), checkpoint rarely.
 _COMMON = {
+    "data.eval_split": "test",
     "schedule.eval_every": 0,
     "schedule.eval_warm_start": False,
     "schedule.checkpoint_every": 1000,
@@ -93,13 +93,8 @@ _CONFIG = flags.DEFINE_string(
     "config", _REPO_CONFIG, "Base config file (`path.py` or `path.py:variant`)."
 )
 _SET = flags.DEFINE_multi_string("set", [], "Override for every run, e.g. rollout.group_size=8.")
-_SEEDS = flags.DEFINE_integer("seeds", len(SEEDS), "Seeds per mode.")
-_PRESETS = flags.DEFINE_list(
-    "presets",
-    [SIZES["main"]],
-    "Model presets: the main comparison's, then optionally a smaller one for the scale study.",
-)
-_MODES = flags.DEFINE_list("modes", list(ARMS), "Arms (verdicts.ARMS) of the main comparison.")
+_SEEDS = flags.DEFINE_list("seeds", list(SEEDS), "Seeds of every arm, e.g. 0,1,2.")
+_MODES = flags.DEFINE_list("modes", list(ARMS), "Arms (verdicts.ARMS) of the comparison.")
 
 
 # ---------------------------------------------------------------------------------- configs
@@ -141,16 +136,10 @@ def apply(config: ml_collections.ConfigDict, overrides: dict[str, Any]) -> None:
         node[key] = tuple(value) if isinstance(value, list) else value
 
 
-def run_config(base, overrides: dict[str, Any], preset: str, mode: str, seed: int, warm: str):
-    """The config of one run: `mode` is an arm (`verdicts.ARMS`)."""
+def run_config(base, overrides: dict[str, Any], arm: str, seed: int, warm: str):
+    """The config of one run of `arm` (`verdicts.ARMS`)."""
     config = ml_collections.ConfigDict(base.to_dict())
-    apply(config, overrides)
-    if preset != config.model.preset:  # another size: random init (a shipped base is one size)
-        config.model.hf_path = ""
-    config.model.preset = preset
-    config.mode, view = ARMS[mode]
-    if view:
-        config.rollout.rehearsal_view = view
+    apply(config, {**overrides, **ARMS[arm]})
     config.seed = seed
     config.schedule.warm_start_dir = warm
     return validate(config)
@@ -189,39 +178,33 @@ def run_one(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     return result
 
 
-def plan(
-    seeds: int, sizes: dict[str, str] = SIZES, modes: tuple[str, ...] = tuple(ARMS)
-) -> list[tuple[str, str, int]]:
-    """(size, mode, seed) of every run, warm starts first within each size; the scale study
-    (sizes after the first) runs the `SCALE_MODES` among `modes`."""
-    runs = []
-    for i, size in enumerate(sizes):
-        chosen = modes if i == 0 else [m for m in SCALE_MODES if m in modes]
-        chosen = ("sft_only",) + tuple(m for m in chosen if m != "sft_only")
-        runs += [(size, mode, seed) for mode in chosen for seed in range(seeds)]
-    return runs
+def plan(seeds, modes: tuple[str, ...] = tuple(ARMS)) -> list[tuple[str, int]]:
+    """(arm, seed) of every run, the warm start (sft_only, seed 0) first."""
+    chosen = ("sft_only",) + tuple(m for m in modes if m != "sft_only")
+    runs = [(mode, seed) for mode in chosen for seed in seeds]
+    first = ("sft_only", 0)
+    return [first] + [r for r in runs if r != first]
 
 
-def run_all(
-    base, overrides, root: str, seeds: int, sizes=SIZES, modes=tuple(ARMS)
-) -> list[dict[str, Any]]:
-    runs = plan(seeds, sizes, modes)
+def run_all(base, overrides, root: str, seeds, modes=tuple(ARMS)) -> list[dict[str, Any]]:
+    runs = plan(seeds, modes)
     results = []
     t0 = time.time()
-    for i, (size, mode, seed) in enumerate(runs):
-        warm = os.path.join(root, "runs", size, "warm_start")
+    warm = os.path.join(root, "runs", "warm_start")
+    for i, (mode, seed) in enumerate(runs):
         if mode == "sft_only" and seed == 0:
             workdir, warm_dir = warm, ""  # the warm start itself
         else:
-            workdir, warm_dir = os.path.join(root, "runs", size, mode, f"seed{seed}"), warm
-        config = run_config(base, overrides, sizes[size], mode, seed, warm_dir)
-        print(f"[compare] run {i + 1}/{len(runs)}: size={size} mode={mode} seed={seed}", flush=True)
+            workdir, warm_dir = os.path.join(root, "runs", mode, f"seed{seed}"), warm
+        config = run_config(base, overrides, mode, seed, warm_dir)
+        print(f"[compare] run {i + 1}/{len(runs)}: arm={mode} seed={seed}", flush=True)
         r = run_one(config, workdir)
-        results.append({"size": size, "preset": sizes[size], "mode": mode, "seed": seed, **r})
+        if mode != "sft_only" or seed in seeds:
+            results.append({"mode": mode, "seed": seed, **r})
         done = time.time() - t0
         print(
             f"[compare] {i + 1}/{len(runs)} done, {done / 60:.1f} min elapsed: "
-            f"success={r['success']:.3f} reward={r['reward']:.3f}",
+            f"success={r['success']:.3f} avg@4={r['success_avg4']:.3f}",
             flush=True,
         )
     return results
@@ -246,31 +229,31 @@ def main(argv):
 
     budget = "quick" if _QUICK.value else "full"
     try:
-        if len(_PRESETS.value) not in (1, 2):
-            raise ValueError(f"--presets: expected one or two model presets, got {_PRESETS.value}")
-        sizes = dict(zip(SIZES, _PRESETS.value, strict=False))
+        seeds = [int(x) for x in _SEEDS.value]
+        if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+            raise ValueError(f"--seeds: expected distinct seeds >= 0, got {_SEEDS.value}")
         unknown = [m for m in _MODES.value if m not in ARMS]
         if unknown:
             raise ValueError(f"--modes: unknown arm(s) {unknown}; known: {', '.join(ARMS)}")
         base = load_config(_CONFIG.value)
         overrides = {**BUDGETS[budget], **_COMMON, **parse_overrides(_SET.value)}
-        for preset in sizes.values():  # fail fast on a bad key or value
-            run_config(base, overrides, preset, "envace", 0, "")
+        for arm in _MODES.value:  # fail fast on a bad key or value
+            run_config(base, overrides, arm, 0, "")
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     t0 = time.time()
-    results = run_all(base, overrides, root, _SEEDS.value, sizes, tuple(_MODES.value))
-    summary = summarize(results, sizes)
-    verdicts = claims(summary, sizes)
+    results = run_all(base, overrides, root, seeds, tuple(_MODES.value))
+    summary = summarize(results)
+    verdicts, bars = claims(summary), sensitivity(summary)
     minutes = (time.time() - t0) / 60
     # The runs' own wall times, which stay true when finished runs are read back.
     run_minutes = sum(r["seconds"] for r in results) / 60
-    md = results_markdown(summary, verdicts, budget, overrides, _SEEDS.value, run_minutes, sizes)
+    md = results_markdown(summary, verdicts, bars, budget, overrides, seeds, run_minutes)
     with open(os.path.join(root, "results.md"), "w") as f:
         f.write(md)
     write_csv(os.path.join(root, "results.csv"), results)
-    plot(os.path.join(root, "results.png"), summary, results, sizes)
+    plot(os.path.join(root, "results.png"), summary, results)
     print("\n" + md)
     print(f"wrote {root}/results.md, results.csv, results.png ({minutes:.1f} min)")
 

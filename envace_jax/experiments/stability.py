@@ -1,0 +1,155 @@
+"""Does the RL recipe hold its gain? Learning curves of the demo's RL arms on test tasks.
+
+    python -m envace_jax.experiments.stability --workdir DIR              # 12 RL steps
+    python -m envace_jax.experiments.stability --workdir DIR --rl-steps 24 --eval-every 6
+
+Real-environment GRPO and grounded EnvACE (`--modes`), seeds 0-2, from the comparison's one
+shared warm start, each trained for `--rl-steps` steps and evaluated (greedy, on the test
+tasks the comparison reports) every `--eval-every` steps. A run *holds* when its success at
+its last step is within `TOLERANCE` of its best evaluated step, or above it. Writes
+`stability.md` (each run's curve and verdict) and `stability.png` (the curves) into DIR; the
+runs live in DIR/runs/ and are reused by a rerun, as in `compare`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+from absl import app, flags, logging
+
+from envace_jax.experiments import compare
+from envace_jax.metrics import read_metrics
+
+TOLERANCE = 0.02  # a run holds when its last evaluation is at most this far below its best
+SCORE = "success"  # greedy success: a curve point costs one execution per task
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (curves and per-run workdirs).")
+_CONFIG = flags.DEFINE_string("config", compare._REPO_CONFIG, "Base config (`path.py[:variant]`).")
+_MODES = flags.DEFINE_list("modes", ["grpo_real_env", "envace_grounded"], "Arms to follow.")
+_SEEDS = flags.DEFINE_list("seeds", list(compare.SEEDS), "Seeds of every arm.")
+_STEPS = flags.DEFINE_integer("rl_steps", 12, "RL steps of every run.")
+_EVERY = flags.DEFINE_integer("eval_every", 4, "RL steps between test evaluations.")
+_SET = flags.DEFINE_multi_string(
+    "set", [], "Override for every run, e.g. optim.learning_rate=1e-4."
+)
+
+
+def _evals(workdir: str) -> list[tuple[int, dict]]:
+    rows = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    return [(r["step"], r) for r in rows if r["phase"] == "eval"]
+
+
+def curves(root: str, modes, seeds) -> dict[tuple[str, int], list[tuple[int, dict]]]:
+    """(arm, seed) -> [(RL step, eval metrics)] from each run's metrics.jsonl, after the warm
+    start's evaluation on that seed's tasks (step 0: the `sft_only` run of the seed)."""
+    out = {}
+    for seed in seeds:
+        warm = os.path.join(
+            root, "runs", *(("warm_start",) if seed == 0 else ("sft_only", f"seed{seed}"))
+        )
+        start = _evals(warm)[-1:]
+        for mode in modes:
+            rl = [p for p in _evals(os.path.join(root, "runs", mode, f"seed{seed}")) if p[0] > 0]
+            out[(mode, seed)] = start + rl
+    return out
+
+
+def holds(curve: list[tuple[int, dict]], key: str = SCORE) -> tuple[float, float, bool]:
+    """(last, best, held) over the evaluated RL steps (the warm start's point excluded)."""
+    points = [m[key] for step, m in curve if step > 0]
+    last, best = points[-1], max(points)
+    return last, best, last >= best - TOLERANCE
+
+
+def report(found, steps: int, every: int) -> str:
+    lines = [
+        "# Stability of the RL recipe",
+        "",
+        f"Each run: {steps} RL steps from the shared warm start, greedy success on the test "
+        f"tasks every {every} steps. A run holds when its last point is within "
+        f"{TOLERANCE * 100:.0f} points of its best, or above it.",
+        "",
+        "| arm | seed | success by RL step | hidden | visible | last - best | holds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (mode, seed), curve in found.items():
+        if not any(step > 0 for step, _ in curve):
+            continue
+        last, best, ok = holds(curve)
+        pts = ", ".join(f"{step}: {m[SCORE]:.3f}" for step, m in curve)
+        strata = [
+            ", ".join(f"{m.get(f'stratum_success/{s}', np.nan):.2f}" for _, m in curve)
+            for s in ("hidden", "visible")
+        ]
+        lines.append(
+            f"| {mode} | {seed} | {pts} | {strata[0]} | {strata[1]} | {last - best:+.3f} | "
+            f"{'yes' if ok else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: str, found, modes) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), sharey=True)
+    for ax, mode in zip(np.atleast_1d(axes), modes, strict=True):
+        for (m, seed), curve in found.items():
+            if m == mode and curve:
+                steps, values = zip(*[(s, r[SCORE]) for s, r in curve], strict=True)
+                ax.plot(steps, values, "o-", label=f"seed {seed}")
+        ax.set_title(f"{mode}: test success (greedy)")
+        ax.set_xlabel("RL step")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not _WORKDIR.value:
+        raise app.UsageError("--workdir is required")
+    root = os.path.abspath(_WORKDIR.value)
+    os.makedirs(root, exist_ok=True)
+    logging.set_verbosity(logging.WARNING)
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    try:
+        seeds = [int(s) for s in _SEEDS.value]
+        base = compare.load_config(_CONFIG.value)
+        overrides = {
+            **compare.BUDGETS["full"],
+            **compare._COMMON,
+            "schedule.rl_steps": _STEPS.value,
+            "schedule.eval_every": _EVERY.value,
+            **compare.parse_overrides(_SET.value),
+        }
+        for arm in _MODES.value:
+            compare.run_config(base, overrides, arm, 0, "")
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    t0 = time.time()
+    compare.run_all(base, overrides, root, seeds, ("sft_only", *_MODES.value))
+    found = curves(root, _MODES.value, seeds)
+    text = report(found, _STEPS.value, _EVERY.value)
+    with open(os.path.join(root, "stability.md"), "w") as f:
+        f.write(text)
+    plot(os.path.join(root, "stability.png"), found, _MODES.value)
+    print("\n" + text)
+    print(f"wrote {root}/stability.md, stability.png ({(time.time() - t0) / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    app.run(main)
