@@ -1,0 +1,33 @@
+"""SIGINT that is always honoured.
+
+Python turns SIGINT into a KeyboardInterrupt in the main thread, wherever it happens to be.
+Libraries that catch BaseException swallow it there: Orbax's `wait_until_finished`, joining its
+save-finalize thread, logs the exception to the library log and goes on, so a job interrupted at
+that moment ran to its end. `install()` makes the handler remember the signal as well, and
+`check()` (called by the trainer at every step boundary) raises it again if it was swallowed.
+"""
+
+from __future__ import annotations
+
+import signal
+
+_received = False
+
+
+def _on_sigint(signum, frame):
+    global _received
+    _received = True
+    raise KeyboardInterrupt
+
+
+def install() -> None:
+    """Replaces the SIGINT handler (main thread only)."""
+    global _received
+    _received = False
+    signal.signal(signal.SIGINT, _on_sigint)
+
+
+def check() -> None:
+    """Raises KeyboardInterrupt if a SIGINT came since `install()` (a no-op otherwise)."""
+    if _received:
+        raise KeyboardInterrupt
