@@ -135,7 +135,7 @@ def _lock_workdir(workdir: str, process: int) -> PidLock:
     try:
         os.makedirs(workdir, exist_ok=True)
         lock.acquire()
-    except PermissionError as e:
+    except OSError as e:  # permissions, a read-only file system
         _fail(f"workdir {workdir}: cannot write there ({e.strerror}: {e.filename})", 1)
     except LockHeld as e:
         _fail(

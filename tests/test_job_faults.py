@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,3 +217,68 @@ def test_sigint_during_rl_is_always_honoured(tmp_path):
         assert "Traceback" not in err and _messages(err)[-1].startswith("error: interrupted")
     final = _main(*args, cwd=tmp_path)
     assert final.returncode == 0 and "resuming from checkpoint" in final.stdout, final.stderr
+
+
+# Root ignores permissions (CAP_DAC_OVERRIDE): a job that must meet a read-only directory runs
+# without that capability.
+_NO_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+
+
+def _prefix():
+    """The command prefix under which permissions stop this user's jobs."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: permissions cannot stop the job")
+    return _NO_OVERRIDE
+
+
+def _protect(path):
+    for d, _, _ in os.walk(path):
+        os.chmod(d, 0o555)
+
+
+def test_a_read_only_workdir_is_one_line(tmp_path):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    _protect(workdir)
+    try:
+        r = subprocess.run(
+            [*_prefix(), sys.executable, "-m", "envace_jax.main", f"--config={DEMO}:smoke"]
+            + [f"--workdir={workdir}"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": REPO},
+        )
+    finally:
+        os.chmod(workdir, 0o755)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    (line,) = _messages(r.stderr)
+    assert line.startswith(f"error: workdir {workdir}: cannot write there"), line
+
+
+@pytest.mark.slow
+def test_a_workdir_made_read_only_mid_run_stops_with_one_line(tmp_path):
+    workdir = tmp_path / "work"
+    job = subprocess.Popen(
+        [*_prefix(), sys.executable, "-m", "envace_jax.main", f"--config={DEMO}:smoke"]
+        + [f"--workdir={workdir}"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    try:
+        _wait_for(lambda: (workdir / "metrics.jsonl").exists(), "the first metrics")
+        _protect(workdir)
+        out, err = job.communicate(timeout=600)
+    finally:
+        job.kill()
+        for d, _, _ in os.walk(workdir):
+            os.chmod(d, 0o755)
+    assert job.returncode == 1 and "Traceback" not in err, err[-6000:]
+    (line,) = _messages(err)
+    assert line.startswith("error: ") and "Permission denied" in line, line
