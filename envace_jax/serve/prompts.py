@@ -22,12 +22,12 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
-import re
 import uuid
 from typing import Any
 
 from pydantic import BaseModel
 
+from envace_jax.data.validation import LONE_SURROGATE
 from envace_jax.serve import forced
 from envace_jax.serve import protocol as P
 from envace_jax.text.chat import encode, render_marked
@@ -36,7 +36,6 @@ from envace_jax.text.untrusted import encode_marked
 
 log = logging.getLogger("envace_jax.serve")
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
 # Request fields that hold no user text (nothing to check).
 _NOT_TEXT = (int, float, bool, type(None))
 
@@ -56,7 +55,7 @@ def scan_text(value: Any, where: str) -> tuple[str | None, int]:
         path, v = stack.pop()
         if isinstance(v, str):
             chars += len(v)
-            if bad is None and _SURROGATE.search(v):
+            if bad is None and LONE_SURROGATE.search(v):
                 bad = path
         elif isinstance(v, BaseModel):
             names = list(type(v).model_fields)
@@ -64,7 +63,7 @@ def scan_text(value: Any, where: str) -> tuple[str | None, int]:
         elif isinstance(v, dict):
             for k in v:
                 chars += len(k)
-                if bad is None and _SURROGATE.search(k):
+                if bad is None and LONE_SURROGATE.search(k):
                     bad = f"{path} (the key {ascii(k)})"
             stack.extend((f"{path}.{k}", x) for k, x in reversed(v.items()))
         elif isinstance(v, list | tuple):
