@@ -282,3 +282,23 @@ def test_a_workdir_made_read_only_mid_run_stops_with_one_line(tmp_path):
     assert job.returncode == 1 and "Traceback" not in err, err[-6000:]
     (line,) = _messages(err)
     assert line.startswith("error: ") and "Permission denied" in line, line
+
+
+@pytest.mark.slow
+def test_a_truncated_checkpoint_is_one_warning_and_the_run_recovers(tmp_path):
+    """A truncated data file in the newest checkpoint: the run falls back to the one before in
+    one warning line naming the step, with no Orbax traceback on the console."""
+    workdir = tmp_path / "work"
+    args = [f"--config={DEMO}:smoke", f"--workdir={workdir}"]
+    assert _main(*args, cwd=tmp_path).returncode == 0
+    checkpoints = workdir / "checkpoints"
+    newest = max(int(p) for p in os.listdir(checkpoints) if p.isdigit())
+    data = [p for p in (checkpoints / str(newest)).rglob("d/*") if p.is_file()]
+    biggest = max(data, key=lambda p: p.stat().st_size)
+    with open(biggest, "r+b") as f:
+        f.truncate(biggest.stat().st_size // 2)
+    again = _main(*args, cwd=tmp_path)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-6000:]
+    skipped = [line for line in again.stderr.splitlines() if "skipped" in line]
+    assert len(skipped) == 1 and f"checkpoint step {newest}" in skipped[0], again.stderr
+    assert len(again.stderr.splitlines()) <= 3, again.stderr
