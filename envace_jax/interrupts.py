@@ -28,6 +28,9 @@ def install() -> None:
 
 
 def check() -> None:
-    """Raises KeyboardInterrupt if a SIGINT came since `install()` (a no-op otherwise)."""
+    """Raises KeyboardInterrupt if a SIGINT came since `install()` or the last raise (a no-op
+    otherwise)."""
+    global _received
     if _received:
+        _received = False
         raise KeyboardInterrupt

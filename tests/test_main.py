@@ -164,15 +164,12 @@ NUMERIC_KEYS = _numeric_keys(base_config().to_dict())
 
 def _cli_problem(*overrides: str) -> str | None:
     """What `python -m envace_jax.main` says of these overrides, through the functions it
-    uses (its key check, absl's flag parsing, `validate`), on fresh flags: None if accepted."""
+    uses (absl's flag parsing of the config file, `validate`), on flags of their own (the
+    job's are global, and defined once per process): None if accepted."""
     from absl import flags
     from ml_collections import config_flags
 
-    from envace_jax import main
-
     args = [f"--config={REPO}/configs/demo.py:smoke", *overrides]
-    if problem := main._config_arguments_problem(args):
-        return problem
     fv = flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True)
     try:
