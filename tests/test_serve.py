@@ -440,7 +440,7 @@ def test_hung_up_stream_is_cancelled_and_the_server_goes_on(tmp_path):
     """
     model_dir = str(tmp_path / "tiny-qwen3")
     export_test_model(model_dir, max_position_embeddings=8192)
-    body = {"model": "tiny-qwen3", "prompt": "hi", "max_tokens": 4096, "temperature": 0.0}
+    body = {"model": "tiny-qwen3", "prompt": "hello", "max_tokens": 4096, "temperature": 0.0}
     body["stop"] = None
     with running_server(model_dir) as (url, proc), httpx.Client(timeout=300) as c:
 

@@ -277,7 +277,7 @@ def test_a_forced_shutdown_answers_running_requests_with_the_documented_error(mo
     Server Error` (text/plain), streams were cut without an error event or [DONE], and the
     port file outlived the server."""
     port_file = port_file_path(model_dir)
-    long = {"model": MODEL, "prompt": "hi", "max_tokens": 4000, "temperature": 0}
+    long = {"model": MODEL, "prompt": "hello", "max_tokens": 4000, "temperature": 0}
     results = {}
     with (
         mock.patch.dict(os.environ, {"ENVACE_API_KEY": KEY}),
