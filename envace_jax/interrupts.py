@@ -5,11 +5,15 @@ Libraries that catch BaseException swallow it there: Orbax's `wait_until_finishe
 save-finalize thread, logs the exception to the library log and goes on, so a job interrupted at
 that moment ran to its end. `install()` makes the handler remember the signal as well, and
 `check()` (called by the trainer at every step boundary) raises it again if it was swallowed.
+Raised inside a finalizer (JAX's garbage-collection callback, say), the KeyboardInterrupt can
+only be reported, with a traceback, as an unraisable exception: such reports are dropped, and
+`check()` raises it where it can be handled.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 
 _received = False
 
@@ -21,10 +25,21 @@ def _on_sigint(signum, frame):
 
 
 def install() -> None:
-    """Replaces the SIGINT handler (main thread only)."""
+    """Replaces the SIGINT handler (main thread only) and drops the unraisable reports of the
+    interrupts it raises."""
     global _received
     _received = False
     signal.signal(signal.SIGINT, _on_sigint)
+    hook = sys.unraisablehook
+    if getattr(hook, "_drops_interrupts", False):
+        return
+
+    def unraisable(u):
+        if not isinstance(u.exc_value, KeyboardInterrupt):
+            hook(u)
+
+    unraisable._drops_interrupts = True
+    sys.unraisablehook = unraisable
 
 
 def check() -> None:

@@ -153,18 +153,20 @@ def _lock_workdir(workdir: str, process: int) -> PidLock:
     return lock
 
 
-def _stop_after_failed_checkpoint(error, lock: PidLock):
-    """Exit 1 with one line. Orbax's abandoned writes are collected first, through the
-    filters above; the interpreter's teardown is skipped, because there each abandoned write
-    is reported again (to a closed log file, or as a coroutine never awaited)."""
+def _stop(message, status: int, lock: PidLock | None) -> None:
+    """Exit with one line, skipping the interpreter's teardown: there, each write Orbax
+    abandoned is reported again (to a closed log file, or as a coroutine never awaited), and
+    an interrupt that reaches it makes the status -SIGINT. A save left unfinished is never
+    listed, and removed at the next run's first save."""
     warnings.filterwarnings("ignore", "coroutine 'async_serialize_from_host", RuntimeWarning)
     gc.collect()
-    lock.release()  # atexit handlers do not run after os._exit
-    print(f"error: {error}", file=sys.stderr)
+    if lock is not None:
+        lock.release()  # atexit handlers do not run after os._exit
+    print(f"error: {message}", file=sys.stderr)
     logging.flush()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(status)
 
 
 def main(argv):
@@ -181,14 +183,15 @@ def main(argv):
     if missing := _missing_paths(config):
         _fail("; ".join(missing), 2)
     workdir = os.path.abspath(_WORKDIR.value)
-    from envace_jax import parallel
-
-    lock = _lock_workdir(workdir, parallel.process_id_from_env())
     interrupts.install()
+    lock = None
     try:
+        from envace_jax import parallel
+
+        lock = _lock_workdir(workdir, parallel.process_id_from_env())
         _run(config, workdir, lock)
     except KeyboardInterrupt:
-        _fail("interrupted (SIGINT); run the same command again to resume", 130)
+        _stop("interrupted (SIGINT); run the same command again to resume", 130, lock)
     except OSError as e:  # e.g. a workdir made read-only or removed mid-run
         logging.info("the job stopped on an OS error", exc_info=e)  # job.INFO only
         where = f": {e.filename}" if e.filename else ""
@@ -223,7 +226,7 @@ def _run(config, workdir: str, lock: PidLock) -> None:
     try:
         jobs.run(config, workdir, force=_FORCE.value)
     except CheckpointError as e:
-        _stop_after_failed_checkpoint(e, lock)
+        _stop(e, 1, lock)
 
 
 def cli():

@@ -100,7 +100,7 @@ def test_a_relative_checkpoint_dir_is_relative_to_the_workdir(tmp_path, monkeypa
 def test_a_swallowed_sigint_is_raised_again_at_the_next_check():
     """Orbax's wait_until_finished catches BaseException while it joins its save thread: a
     SIGINT that lands there is logged and dropped, and the job used to run on to its end."""
-    previous = signal.getsignal(signal.SIGINT)
+    previous, hook = signal.getsignal(signal.SIGINT), sys.unraisablehook
     try:
         interrupts.install()
         interrupts.check()  # nothing received yet
@@ -112,5 +112,7 @@ def test_a_swallowed_sigint_is_raised_again_at_the_next_check():
             pass
         with pytest.raises(KeyboardInterrupt):
             interrupts.check()
+        interrupts.check()  # raised once
     finally:
         signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = hook
