@@ -141,7 +141,7 @@ class ScheduleSection(Section):
     eval_warm_start: bool = knob(True, BOOL)
     checkpoint_every: int = knob(25, integer(1))  # Steps (SFT and RL) between checkpoints.
     keep_checkpoints: int = knob(3, integer(1))  # Checkpoints kept on disk.
-    # Checkpoints: a path or gs:// URL; '' = workdir/checkpoints.
+    # Checkpoints: a path (relative: to the workdir) or gs:// URL; '' = workdir/checkpoints.
     checkpoint_dir: str = knob("", text("a directory, gs:// path, or ''"))
     log_every: int = knob(10, integer(1))  # SFT steps between metric lines.
     # SFT steps between held-out copy diagnostics (envace_jax.diagnostics; 0 = off): greedy
@@ -149,7 +149,7 @@ class ScheduleSection(Section):
     # on the digits of tool responses (REHEARSE), overall and per tool.
     probe_every: int = knob(50, integer(0))
     # Workdir whose warm start RL starts from, or '': a run with rl_steps=0 / mode 'sft_only',
-    # or a train job (the warm start it keeps in warm_start/).
+    # or a train job (the warm start it keeps in its checkpoints' warm_start/).
     warm_start_dir: str = knob("", text("a workdir path or ''"))
 
 
@@ -178,7 +178,7 @@ class RehearsalSection(Section):
 
     # Warm-start demos whose prompt carries a memory.
     sft_memory_fraction: float = knob(0.25, number(0.0, 1.0))
-    # Train job: save warm-start params in workdir/warm_start/.
+    # Train job: save warm-start params in the checkpoint directory's warm_start/.
     keep_warm_start: bool = knob(True, BOOL)
     # Eval: main job's workdir (or its checkpoints/); '' = workdir.
     checkpoint_dir: str = knob("", text("a workdir path or ''"))

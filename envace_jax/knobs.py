@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -31,10 +32,12 @@ def integer(lo: int) -> Rule:
 def number(
     lo: float | None = None, hi: float | None = None, lo_open: bool = False, hi_open: bool = False
 ) -> Rule:
-    """A number (bools excluded) within the bounds given; `*_open` excludes that bound."""
+    """A finite number (bools excluded) within the bounds given; `*_open` excludes that bound.
+    NaN and infinities never pass: NaN compares false with every bound, so a range check alone
+    lets it through, and no knob means anything at infinity."""
 
     def ok(v: Any) -> bool:
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
             return False
         if lo is not None and (v <= lo if lo_open else v < lo):
             return False
@@ -42,10 +45,10 @@ def number(
 
     if hi is not None:
         left, right = "(" if lo_open else "[", ")" if hi_open else "]"
-        return ok, f"a number in {left}{lo}, {hi}{right}"
+        return ok, f"a finite number in {left}{lo}, {hi}{right}"
     if lo is not None:
-        return ok, f"a number {'>' if lo_open else '>='} {lo}"
-    return ok, "a number"
+        return ok, f"a finite number {'>' if lo_open else '>='} {lo}"
+    return ok, "a finite number"
 
 
 def one_of(*choices: Any) -> Rule:

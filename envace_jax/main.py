@@ -17,6 +17,7 @@ command.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import logging as std_logging
@@ -28,7 +29,9 @@ import warnings
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from envace_jax import interrupts
 from envace_jax.configuration import ConfigError, key_problem, validate
+from envace_jax.locks import LockHeld, PidLock
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Job config file (`path.py` or `path.py:variant`).", lock_config=True
@@ -124,17 +127,46 @@ def _drop_closed_loop_callbacks(hook):
     return unraisable
 
 
-def _stop_after_failed_checkpoint(error):
-    """Exit 1 with one line. Orbax's abandoned writes are collected first, through the
-    filters above; the interpreter's teardown is skipped, because there each abandoned write
-    is reported again (to a closed log file, or as a coroutine never awaited)."""
+def _lock_workdir(workdir: str, process: int) -> PidLock:
+    """Makes this process the workdir's only job (`envace_jax.locks`): two jobs on one workdir
+    would mix their metrics and remove each other's checkpoints. Released at exit."""
+    name = "job.lock" if process == 0 else f"job.process{process}.lock"
+    lock = PidLock(os.path.join(workdir, name))
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        lock.acquire()
+    except OSError as e:  # permissions, a read-only file system
+        _fail(f"workdir {workdir}: cannot write there ({e.strerror}: {e.filename})", 1)
+    except LockHeld as e:
+        _fail(
+            f"workdir {workdir} is in use by another job (process {e.pid}, per {e.path}); "
+            "wait for it to end, or give another --workdir",
+            1,
+        )
+    if lock.previous_pid is not None:
+        print(
+            f"warning: workdir {workdir}: taking over the lock of process {lock.previous_pid}, "
+            "which ended without releasing it (killed?); resuming from its newest checkpoint",
+            file=sys.stderr,
+        )
+    atexit.register(lock.release)
+    return lock
+
+
+def _stop(message, status: int, lock: PidLock | None) -> None:
+    """Exit with one line, skipping the interpreter's teardown: there, each write Orbax
+    abandoned is reported again (to a closed log file, or as a coroutine never awaited), and
+    an interrupt that reaches it makes the status -SIGINT. A save left unfinished is never
+    listed, and removed at the next run's first save."""
     warnings.filterwarnings("ignore", "coroutine 'async_serialize_from_host", RuntimeWarning)
     gc.collect()
-    print(f"error: {error}", file=sys.stderr)
+    if lock is not None:
+        lock.release()  # atexit handlers do not run after os._exit
+    print(f"error: {message}", file=sys.stderr)
     logging.flush()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(status)
 
 
 def main(argv):
@@ -151,13 +183,30 @@ def main(argv):
     if missing := _missing_paths(config):
         _fail("; ".join(missing), 2)
     workdir = os.path.abspath(_WORKDIR.value)
-    os.makedirs(workdir, exist_ok=True)
+    interrupts.install()
+    lock = None
+    try:
+        from envace_jax import parallel
+
+        lock = _lock_workdir(workdir, parallel.process_id_from_env())
+        _run(config, workdir, lock)
+    except KeyboardInterrupt:
+        _stop("interrupted (SIGINT); run the same command again to resume", 130, lock)
+    except OSError as e:  # e.g. a workdir made read-only or removed mid-run
+        logging.info("the job stopped on an OS error", exc_info=e)  # job.INFO only
+        where = f": {e.filename}" if e.filename else ""
+        log = os.path.join(workdir, "job.INFO")
+        _fail(f"{e.strerror or e}{where} (errno {e.errno}); the traceback is in {log}", 1)
+
+
+def _run(config, workdir: str, lock: PidLock) -> None:
+    """The job, once the workdir is this process's."""
+    from envace_jax import parallel
+
     # Library INFO lines (JAX, Orbax, absl) go to workdir/job.INFO; warnings still reach the
     # console beside the progress lines and the summary.
     logging.get_absl_handler().use_absl_log_file("job", workdir)
     flags.FLAGS.stderrthreshold = "warning"
-    from envace_jax import parallel
-
     parallel.initialize_distributed()
     import jax
 
@@ -177,7 +226,7 @@ def main(argv):
     try:
         jobs.run(config, workdir, force=_FORCE.value)
     except CheckpointError as e:
-        _stop_after_failed_checkpoint(e)
+        _stop(e, 1, lock)
 
 
 def cli():

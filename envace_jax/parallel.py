@@ -313,6 +313,24 @@ def _multi_process_env(env: Mapping[str, str]) -> str | None:
     return None
 
 
+# The variable that numbers the processes, per launcher (TPU VMs number their workers).
+_RANK_VARS = {
+    "explicit": "JAX_PROCESS_ID",
+    "slurm": "SLURM_PROCID",
+    "mpi": "OMPI_COMM_WORLD_RANK",
+    "tpu": "TPU_WORKER_ID",
+}
+
+
+def process_id_from_env(env: Mapping[str, str] | None = None) -> int:
+    """This process's index as its launcher gives it (0 for a single process), known before
+    `jax.distributed` is initialised (the job locks its workdir before anything else)."""
+    env = os.environ if env is None else env
+    kind = _multi_process_env(env)
+    value = env.get(_RANK_VARS[kind], "0") if kind else "0"
+    return int(value) if value.isdigit() else 0
+
+
 def initialize_distributed(env: Mapping[str, str] | None = None) -> bool:
     """Calls `jax.distributed.initialize()` when the environment describes several processes.
 

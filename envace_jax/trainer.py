@@ -43,7 +43,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from envace_jax import evaluation, parallel, report, warm_start_data
+from envace_jax import evaluation, interrupts, parallel, report, warm_start_data
 from envace_jax.build import build_mesh, build_model, build_tokenizer
 from envace_jax.configuration import step_configs
 from envace_jax.data.stream import TaskStream, length_grouped_batch
@@ -173,6 +173,12 @@ class Trainer:
         state = abstract_train_state(nnx.state(self.model, nnx.Param), tx, sh.state)
         return state if phase == "sft" else self.mode.abstract_rl_state(state)
 
+    def _step_boundary(self) -> None:
+        """Where the run stops for a failed background save or a SIGINT that a library
+        swallowed (`interrupts`)."""
+        self.run_dir.checkpointer.check()
+        interrupts.check()
+
     def _save(self, global_step: int, state, meta: dict[str, Any]) -> None:
         self.run_dir.save(global_step, state, meta)
         self.hooks.on_checkpoint(global_step, state, meta)
@@ -245,7 +251,7 @@ class Trainer:
         progress = Progress("warm start", self.sft_steps, start)
         last_good = start
         for step in range(start + 1, self.sft_steps + 1):
-            self.run_dir.checkpointer.check()  # a failed background save stops the run here
+            self._step_boundary()
             indices = length_grouped_batch(
                 lengths, self.config.seed, step - 1, s.sft_batch_size, s.sft_length_window
             )
@@ -324,7 +330,7 @@ class Trainer:
         progress = Progress(f"RL {self.config.mode}", self.rl_steps, rl_start)
         last_good = start
         for rl_step in range(rl_start + 1, self.rl_steps + 1):
-            self.run_dir.checkpointer.check()  # a failed background save stops the run here
+            self._step_boundary()
             g = self.sft_steps + rl_step
             t0, calls = time.time(), self.rl_envs.calls
             tasks = [self.train_tasks[i] for i in stream.next_indices(r.tasks_per_step)]

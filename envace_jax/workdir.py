@@ -1,8 +1,9 @@
 """A run's directory: what the train job writes there and what other jobs read back from it.
 
     <workdir>/
-      checkpoints/<step>/         train state, rotating (`schedule.checkpoint_dir` when set)
-      warm_start/<S>/             the warm start's params, kept apart from the rotation
+      checkpoints/<step>/         train state, rotating (`schedule.checkpoint_dir` when set; a
+                                  relative one is relative to the workdir)
+      checkpoints/warm_start/<S>/ the warm start's params, kept apart from the rotation
       export/, export_rehearse/   HF safetensors of the acting policy (and of a trained rehearser)
       metrics.jsonl, tensorboard/, curves.png, summary.md, summary.json   (`metrics`, `report`)
 
@@ -10,6 +11,10 @@
 train job that starts from another run's warm start and the jobs that evaluate a trained
 workdir (`rehearsal_eval`, `headroom`), find a warm start with `find_warm_start`, restore a
 checkpoint with `checkpoint_target`, and refuse an incompatible run with `config_differences`.
+
+The kept warm start lives inside the run's checkpoint directory, which belongs to one run: runs
+whose checkpoint directories share a parent never touch each other's copy. Runs written before
+this layout kept it in `<workdir>/warm_start/`, where readers still look.
 """
 
 from __future__ import annotations
@@ -121,12 +126,18 @@ def params_target(params: Any, mesh) -> Any:
 
 
 def run_dirs(path: str) -> tuple[str, str] | None:
-    """(checkpoints directory, workdir) of `path`, a run's workdir or its checkpoints/
-    directory; None when it is neither."""
+    """(checkpoints directory, workdir) of `path`, a run's workdir or its checkpoint directory
+    (checkpoints/, or a `schedule.checkpoint_dir` of another name holding steps or a kept warm
+    start); None when it is neither."""
     root = os.path.abspath(path)
     if os.path.isdir(os.path.join(root, CHECKPOINTS)):
         return os.path.join(root, CHECKPOINTS), root
-    if os.path.basename(root) == CHECKPOINTS and os.path.isdir(root):
+    if not os.path.isdir(root):
+        return None
+    names = os.listdir(root)
+    if os.path.basename(root) == CHECKPOINTS or WARM_START_DIR in names:
+        return root, os.path.dirname(root)
+    if any(n.isdigit() and os.path.isdir(os.path.join(root, n)) for n in names):
         return root, os.path.dirname(root)
     return None
 
@@ -154,12 +165,12 @@ def find_warm_start(path: str, sft_steps: int | None, params: Any, mesh, where: 
         )
     checkpoints, root = dirs
     problems = []
-    kept = os.path.join(root, WARM_START_DIR)
+    kept = kept_warm_start_dir(checkpoints, root)
     candidates = [(kept, lambda: params_target(params, mesh))]
     candidates.append((checkpoints, lambda: checkpoint_target(params, mesh)))
     for directory, target in candidates:
         if not os.path.isdir(directory):
-            problems.append(f"no {WARM_START_DIR}/ (a train job keeps its warm start there)")
+            problems.append(f"no {kept} (a train job keeps its warm start there)")
             continue
         with ckpt_lib.Checkpointer(directory, keep=_READ_ONLY_KEEP) as ckpt:
             step, steps = sft_steps, ckpt.all_steps()
@@ -183,6 +194,24 @@ def find_warm_start(path: str, sft_steps: int | None, params: Any, mesh, where: 
     )
 
 
+def kept_warm_start_dir(checkpoints: str, root: str) -> str:
+    """Where the run with `checkpoints` (workdir `root`) kept its warm start: inside its
+    checkpoint directory, or `<root>/warm_start/` for a run written before that layout."""
+    path = os.path.join(checkpoints, WARM_START_DIR)
+    older = os.path.join(root, WARM_START_DIR)
+    return older if not os.path.isdir(path) and os.path.isdir(older) else path
+
+
+def checkpoint_dir(config: ml_collections.ConfigDict, workdir: str) -> str:
+    """The run's checkpoint directory: `schedule.checkpoint_dir` (a relative path is taken
+    relative to the workdir, never to the current directory, so that a rerun from elsewhere
+    resumes the same run), or `<workdir>/checkpoints`."""
+    path = config.schedule.checkpoint_dir.rstrip("/")
+    if not path:
+        return os.path.join(workdir, CHECKPOINTS)
+    return path if "://" in path else os.path.join(workdir, path)
+
+
 # ------------------------------------------------------------------------ the train job's
 
 
@@ -193,10 +222,10 @@ class RunDir:
         s = config.schedule
         self.path = workdir
         self.config = config_json(config)
-        # Checkpoints (and the kept warm start beside them) go where every process can write:
+        # Checkpoints (and the kept warm start inside them) go where every process can write:
         # schedule.checkpoint_dir (e.g. gs://...) when the processes have a workdir each.
-        checkpoints = s.checkpoint_dir.rstrip("/") or os.path.join(workdir, CHECKPOINTS)
-        self.warm_start_dir = os.path.join(os.path.dirname(checkpoints), WARM_START_DIR)
+        checkpoints = checkpoint_dir(config, workdir)
+        self.warm_start_dir = kept_warm_start_dir(checkpoints, workdir)
         self.checkpointer = ckpt_lib.Checkpointer(checkpoints, keep=s.keep_checkpoints)
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
@@ -210,9 +239,9 @@ class RunDir:
         return self.checkpointer.restore(target)
 
     def keep_warm_start(self, step: int, params: Any, meta: dict[str, Any]) -> None:
-        """Saves the warm-start params (global step `step`) in warm_start/ beside the checkpoint
-        directory, apart from the rotating checkpoints: test-time rehearsal evaluates them as a
-        rehearser, and other runs start from them."""
+        """Saves the warm-start params (global step `step`) in the checkpoint directory's
+        warm_start/, apart from the rotating checkpoints: test-time rehearsal evaluates them as
+        a rehearser, and other runs start from them."""
         keeper = ckpt_lib.Checkpointer(self.warm_start_dir, keep=1, async_save=False)
         try:
             keeper.save(step, params, {**meta, "phase": "warm_start", "config": self.config})

@@ -1,8 +1,8 @@
 """A tiny Qwen3 for serving tests, its PyTorch greedy reference, and a server process.
 
-The model is random except for one planted chain of tokens: from the last token of a forced
-`{"name": "get_weather", "arguments":` prefix, greedy decoding writes
-` {"city": "Paris"}}</tool_call><|im_end|>`. Each chain token gets an embedding along its
+The model is random except for one planted chain of tokens: from the last token of the forced
+`{"name": "get_weather", "arguments": {"city": "` prefix (`serve.forced.prefix`), greedy
+decoding writes `Paris"}}</tool_call><|im_end|>`. Each chain token gets an embedding along its
 own axis, large enough to dominate the (small random) residual updates, and the LM head maps
 that axis to the next chain token: a bigram planted into a real transformer. The planted axes
 are zero for every other token and in every layer's output, so everything else is an ordinary
@@ -34,11 +34,11 @@ TOOL = {
         },
     },
 }
-FORCED_PREFIX = '<tool_call>\n{"name": "get_weather", "arguments":'
+FORCED_PREFIX = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "'
 # Pieces of the planted continuation, each one token of the demo tokenizer.
 # No newline before </tool_call> (the parser allows that): "\n" ends every generation prompt, so
 # planting it would make every reply the same.
-CHAIN = [' {"', "ci", "ty", '"', ":", ' "', "Paris", '"}}', "</tool_call>", "<|im_end|>"]
+CHAIN = ["Paris", '"}}', "</tool_call>", "<|im_end|>"]
 EXPECTED_ARGUMENTS = {"city": "Paris"}
 
 
@@ -115,16 +115,25 @@ class TorchReference:
         return ids[len(prompt_ids) :]
 
 
+def port_file_path(model_dir: str) -> str:
+    """A port file of its own for one server (its log is this path + '.log')."""
+    return os.path.join(model_dir, f"port-{os.getpid()}-{time.monotonic_ns()}")
+
+
 @contextlib.contextmanager
-def running_server(model_dir: str, *extra: str, timeout: float = 180.0):
+def running_server(
+    model_dir: str, *extra: str, timeout: float = 180.0, port_file=None, preexec_fn=None
+):
     """Starts `python -m envace_jax.serve` on a free loopback port; yields (base_url, process).
     The server is always stopped (SIGTERM, then SIGKILL if it does not exit)."""
-    port_file = os.path.join(model_dir, f"port-{os.getpid()}-{time.monotonic_ns()}")
+    port_file = port_file or port_file_path(model_dir)
     log_path = port_file + ".log"
     cmd = [sys.executable, "-m", "envace_jax.serve", "--model", model_dir, "--port", "0"]
     cmd += ["--port-file", port_file, "--log-level", "warning", *extra]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn
+        )
     try:
         deadline = time.monotonic() + timeout
         while not os.path.exists(port_file):

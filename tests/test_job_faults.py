@@ -8,9 +8,11 @@ import contextlib
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -134,3 +136,170 @@ def test_rerunning_a_finished_workdir_redoes_nothing(tmp_path):
     assert "the run is complete" not in forced.stdout
     last = max(int(p) for p in before if p.isdigit())
     assert os.listdir(checkpoints / "superseded") == [str(last)]  # the old final checkpoint
+
+
+def _start_main(*args, cwd):
+    return subprocess.Popen(
+        [sys.executable, "-m", "envace_jax.main", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+
+
+def _wait_for(predicate, what: str, timeout: float = 300.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_one_job_per_workdir_and_a_killed_holder_is_taken_over(tmp_path):
+    """Two jobs on one workdir used to both run: 14 metric lines instead of 7, and each removed
+    the other's checkpoints. The second now exits at once naming the first; a workdir whose job
+    was SIGKILLed (no chance to release the lock) is taken over with a warning."""
+    workdir = tmp_path / "work"
+    args = [f"--config={DEMO}:smoke", f"--workdir={workdir}"]
+    lock = workdir / "job.lock"
+    first = _start_main(*args, cwd=tmp_path)
+    try:
+        _wait_for(lambda: lock.exists() and lock.read_text().strip() == str(first.pid), "lock")
+        t0 = time.monotonic()
+        second = _main(*args, cwd=tmp_path, timeout=120)
+        assert time.monotonic() - t0 < 60  # at once: before JAX or the model
+        assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr
+        (line,) = _messages(second.stderr)
+        assert line.startswith("error: workdir") and f"process {first.pid}" in line, line
+        assert first.poll() is None  # the holder runs on, undisturbed
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
+    (workdir / "config.json").unlink()  # the third job writes it again once it holds the lock
+    third = _start_main(*args, cwd=tmp_path)
+    try:
+        line = third.stderr.readline()
+        while line and "taking over" not in line:
+            line = third.stderr.readline()
+        assert f"taking over the lock of process {first.pid}" in line, line
+        assert line.startswith("warning: workdir")
+        # A SIGINT before the job gets far is one line and status 130, like one mid-RL.
+        _wait_for(lambda: (workdir / "config.json").exists(), "config.json")
+        third.send_signal(signal.SIGINT)
+        _, err = third.communicate(timeout=120)
+    finally:
+        third.kill()
+    assert third.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and _messages(err)[-1].startswith("error: interrupted"), err
+    assert not lock.exists()  # released at exit
+
+
+@pytest.mark.slow
+def test_sigint_during_rl_is_always_honoured(tmp_path):
+    """SIGINT at a few moments of the RL phase: each run stops with one line and status 130,
+    and a rerun resumes. (One SIGINT in five used to be swallowed by Orbax, the job running
+    on to the end with status 0.)"""
+    workdir = tmp_path / "work"
+    args = [f"--config={DEMO}:smoke", f"--workdir={workdir}"]
+    for delay in (0.0, 1.5, 3.0):
+        job = _start_main(*args, cwd=tmp_path)
+        try:
+            line = job.stdout.readline()
+            while line and "RL" not in line:
+                line = job.stdout.readline()
+            assert line, "the run ended before its RL phase"
+            time.sleep(delay)
+            job.send_signal(signal.SIGINT)
+            out, err = job.communicate(timeout=300)
+        finally:
+            job.kill()
+        assert job.returncode == 130, (out[-2000:], err[-3000:])
+        assert "Traceback" not in err and _messages(err)[-1].startswith("error: interrupted")
+    final = _main(*args, cwd=tmp_path)
+    assert final.returncode == 0 and "resuming from checkpoint" in final.stdout, final.stderr
+
+
+# Root ignores permissions (CAP_DAC_OVERRIDE): a job that must meet a read-only directory runs
+# without that capability.
+_NO_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+
+
+def _prefix():
+    """The command prefix under which permissions stop this user's jobs."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: permissions cannot stop the job")
+    return _NO_OVERRIDE
+
+
+def _protect(path):
+    for d, _, _ in os.walk(path):
+        os.chmod(d, 0o555)
+
+
+def test_a_read_only_workdir_is_one_line(tmp_path):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    _protect(workdir)
+    try:
+        r = subprocess.run(
+            [*_prefix(), sys.executable, "-m", "envace_jax.main", f"--config={DEMO}:smoke"]
+            + [f"--workdir={workdir}"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": REPO},
+        )
+    finally:
+        os.chmod(workdir, 0o755)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    (line,) = _messages(r.stderr)
+    assert line.startswith(f"error: workdir {workdir}: cannot write there"), line
+
+
+@pytest.mark.slow
+def test_a_workdir_made_read_only_mid_run_stops_with_one_line(tmp_path):
+    workdir = tmp_path / "work"
+    job = subprocess.Popen(
+        [*_prefix(), sys.executable, "-m", "envace_jax.main", f"--config={DEMO}:smoke"]
+        + [f"--workdir={workdir}"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    try:
+        _wait_for(lambda: (workdir / "metrics.jsonl").exists(), "the first metrics")
+        _protect(workdir)
+        out, err = job.communicate(timeout=600)
+    finally:
+        job.kill()
+        for d, _, _ in os.walk(workdir):
+            os.chmod(d, 0o755)
+    assert job.returncode == 1 and "Traceback" not in err, err[-6000:]
+    (line,) = _messages(err)
+    assert line.startswith("error: ") and "Permission denied" in line, line
+
+
+@pytest.mark.slow
+def test_a_truncated_checkpoint_is_one_warning_and_the_run_recovers(tmp_path):
+    """A truncated data file in the newest checkpoint: the run falls back to the one before in
+    one warning line naming the step, with no Orbax traceback on the console."""
+    workdir = tmp_path / "work"
+    args = [f"--config={DEMO}:smoke", f"--workdir={workdir}"]
+    assert _main(*args, cwd=tmp_path).returncode == 0
+    checkpoints = workdir / "checkpoints"
+    newest = max(int(p) for p in os.listdir(checkpoints) if p.isdigit())
+    data = [p for p in (checkpoints / str(newest)).rglob("d/*") if p.is_file()]
+    biggest = max(data, key=lambda p: p.stat().st_size)
+    with open(biggest, "r+b") as f:
+        f.truncate(biggest.stat().st_size // 2)
+    again = _main(*args, cwd=tmp_path)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-6000:]
+    skipped = [line for line in again.stderr.splitlines() if "skipped" in line]
+    assert len(skipped) == 1 and f"checkpoint step {newest}" in skipped[0], again.stderr
+    assert len(again.stderr.splitlines()) <= 3, again.stderr

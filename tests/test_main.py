@@ -146,3 +146,57 @@ def test_cli_bad_value_fails_before_building_anything(tmp_path):
 )
 def test_every_demo_variant_validates(variant):
     validate(demo_config(variant))
+
+
+def _numeric_keys(tree: dict, prefix: str = "") -> list[str]:
+    """Dotted paths of every number-valued knob (bools excluded) of a config tree."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _numeric_keys(value, f"{prefix}{key}.")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out.append(prefix + key)
+    return out
+
+
+NUMERIC_KEYS = _numeric_keys(base_config().to_dict())
+
+
+def _cli_problem(*overrides: str) -> str | None:
+    """What `python -m envace_jax.main` says of these overrides, through the functions it
+    uses (absl's flag parsing of the config file, `validate`), on flags of their own (the
+    job's are global, and defined once per process): None if accepted."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    args = [f"--config={REPO}/configs/demo.py:smoke", *overrides]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True)
+    try:
+        fv(["main", *args])
+        validate(fv.config)
+    except (flags.Error, ConfigError) as e:
+        return str(e)
+    return None
+
+
+def test_every_numeric_knob_refuses_nan_and_infinities():
+    """NaN compares false with every bound, so range rules let it through: a NaN temperature
+    used to fail 48 s into the run, and inf ran to the end."""
+    assert len(NUMERIC_KEYS) > 40 and "rollout.temperature" in NUMERIC_KEYS
+    for key in NUMERIC_KEYS:
+        for value in ("nan", "inf", "-inf"):
+            problem = _cli_problem(f"--config.{key}={value}")
+            assert problem is not None, f"config.{key}={value} was accepted"
+            assert f"config.{key}" in problem and "\n" not in problem, problem
+
+
+def test_a_non_finite_knob_is_one_line_with_nothing_written(tmp_path):
+    workdir = tmp_path / "work"
+    cfg = os.path.join(REPO, "configs", "demo.py")
+    for arg in ("--config.rollout.temperature=nan", "--config.optim.learning_rate=inf"):
+        r = _main(f"--config={cfg}:smoke", f"--workdir={workdir}", arg, cwd=tmp_path)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        (line,) = r.stderr.strip().splitlines()
+        assert line.startswith("error: config.") and "finite" in line, line
+        assert not workdir.exists()

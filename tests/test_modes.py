@@ -323,7 +323,7 @@ def test_an_unreadable_kept_warm_start_falls_back_to_the_checkpoint(warm_start, 
 
     copy = tmp_path / "warm"
     shutil.copytree(warm_start, copy)
-    (copy / "warm_start" / "4" / "meta" / "metadata").write_text("{not json")
+    (copy / "checkpoints" / "warm_start" / "4" / "meta" / "metadata").write_text("{not json")
     trainer = Trainer(smoke("envace", str(copy)), str(tmp_path / "run"))
     step, state, _ = trainer.load_warm_start(str(copy))
     _, shared, _ = trainer.load_warm_start(warm_start)

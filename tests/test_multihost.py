@@ -140,7 +140,7 @@ def test_two_processes_agree_and_split_the_data(uninterrupted):
     assert sorted(rec0["rl_rows"] + rec1["rl_rows"]) == [0, 1, 2, 3]
     # Checkpoints: one directory written by both; outputs from process 0 only.
     assert sorted(int(s) for s in os.listdir(ckpt_dir) if s.isdigit()) == [1, 2, 3, 4]
-    assert os.listdir(os.path.join(os.path.dirname(ckpt_dir), "warm_start")) == ["2"]
+    assert os.listdir(os.path.join(ckpt_dir, "warm_start")) == ["2"]  # inside, per run
     for name in ("metrics.jsonl", "summary.md", "curves.png", "export"):
         assert os.path.exists(os.path.join(wd0, name)), name
         assert not os.path.exists(os.path.join(wd1, name)), name

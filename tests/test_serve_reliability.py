@@ -162,7 +162,7 @@ def test_requests_with_different_sampling_share_one_compiled_program(http):
 
 
 def test_non_streaming_request_is_cancelled_when_its_client_leaves(server, http):
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4000, "temperature": 0.0}
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4000, "temperature": 0.0}
     before = {k: n for k, n in engine_stats(http).items() if k.startswith("finished_")}
     with httpx.Client(timeout=1.0, headers={"Authorization": f"Bearer {KEY}"}) as impatient:
         with pytest.raises(httpx.ReadTimeout):

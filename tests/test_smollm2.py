@@ -6,6 +6,7 @@ those float32 weights, so this checks our loader and decoder, not the quantisati
 """
 
 import functools
+import json
 import os
 import time
 
@@ -200,3 +201,80 @@ def test_stale_temp_dirs_are_removed(tmp_path):
     os.utime(stale, (old, old))
     gguf_convert._remove_stale_temps(root)
     assert not stale.exists() and fresh.exists()
+
+
+def _tool(name, description, properties, required):
+    parameters = {"type": "object", "properties": properties, "required": required}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
+
+
+_S = {"type": "string"}
+FORCED_CALLS = [
+    (
+        "What is 3+4?",
+        _tool(
+            "calculator", "Evaluate an arithmetic expression", {"expression": _S}, ["expression"]
+        ),
+    ),
+    (
+        "What's the weather in Paris right now?",
+        _tool("get_weather", "Current weather of a city", {"city": _S}, ["city"]),
+    ),
+    (
+        "Find recent news about the Mars rover.",
+        _tool("web_search", "Search the web", {"query": _S}, ["query"]),
+    ),
+    (
+        "Email bob@example.com that the meeting moved to 3pm.",
+        _tool(
+            "send_email",
+            "Send an email",
+            {"to": _S, "subject": _S, "body": _S},
+            ["to", "subject", "body"],
+        ),
+    ),
+    (
+        "Convert 100 USD to EUR.",
+        _tool(
+            "convert_currency",
+            "Convert an amount between currencies",
+            {"amount": {"type": "number"}, "source": _S, "target": _S},
+            ["amount", "source", "target"],
+        ),
+    ),
+]
+
+
+@pytest.mark.slow
+def test_served_smollm2_answers_every_forced_tool_call_with_a_call(smollm2_hf_dir, tmp_path):
+    """SmolLM2-135M wrote a forced call's JSON without `</tool_call>` (or the schema instead
+    of arguments) and the server returned it as content: every forced call, 'required' or
+    named, now comes back as `tool_calls` naming the tool, with an object of arguments."""
+    import httpx
+
+    from envace_jax.text.retag import retag_checkpoint
+    from tests.serve_helpers import running_server
+
+    retag_checkpoint(smollm2_hf_dir, tmp_path / "smol")
+    with running_server(str(tmp_path / "smol"), timeout=600) as (url, _):
+        with httpx.Client(base_url=url, timeout=600) as http:
+            for prompt, tool in FORCED_CALLS:
+                name = tool["function"]["name"]
+                for choice in ("required", {"type": "function", "function": {"name": name}}):
+                    body = {
+                        "model": "smol",
+                        "messages": [{"role": "user", "content": prompt}],
+                        "tools": [tool],
+                        "tool_choice": choice,
+                        "temperature": 0,
+                        "max_tokens": 64,
+                    }
+                    resp = http.post("/v1/chat/completions", json=body)
+                    assert resp.status_code == 200, resp.text
+                    message = resp.json()["choices"][0]["message"]
+                    (call,) = message["tool_calls"]
+                    assert call["function"]["name"] == name, message
+                    assert isinstance(json.loads(call["function"]["arguments"]), dict)

@@ -342,3 +342,44 @@ def test_annotation_layout_loads(tmp_path):
     assert list(task.messages) == ann["messages"][:1]
     assert list(task.reference_messages) == ann["messages"]
     assert len(task.checklists) == 2 and task.extra_checklists[0] == task.checklist
+
+
+def test_the_loaders_edges_are_clear_errors_per_record(tmp_path):
+    """Bytes that are not UTF-8 aborted even lenient mode with a raw UnicodeDecodeError, deep
+    nesting raised RecursionError, a byte-order mark rejected the first record, and a lone
+    surrogate in a task id was accepted."""
+    good = [json.dumps(task_dict(i)).encode() for i in range(3)]
+    bad_id = json.dumps({**task_dict(3), "task_id": "t-\ud800"}).encode()  # the escape, as sent
+    lines = [
+        b"\xef\xbb\xbf" + good[0],  # a byte-order mark before the first record
+        good[1][:-1] + b', "metadata": {"note": "caf\xe9"}}',  # Latin-1, not UTF-8
+        b"[" * 100_000 + b"]" * 100_000,
+        bad_id,
+        good[2],
+    ]
+    path = tmp_path / "tasks.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(TaskFileError) as e:
+        load_tasks(path)
+    message = str(e.value)
+    assert "3 of 5 records are invalid" in message
+    assert "record 1: line 2: not UTF-8 text (byte 0xe9" in message
+    assert "record 2: line 3: nested too deeply" in message
+    assert "record 3: task_id: holds a lone UTF-16 surrogate" in message
+    report = load_tasks(path, strict=False)
+    assert [t.task_id for t in report.tasks] == [task_dict(i)["task_id"] for i in (0, 2)]
+    assert [i for i, _ in report.rejected] == [1, 2, 3]
+
+
+def test_a_json_file_with_a_bom_loads_and_one_with_bad_bytes_or_deep_nesting_is_one_error(
+    tmp_path,
+):
+    path = tmp_path / "tasks.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps([task_dict(0)]).encode())
+    assert len(load_tasks(path).tasks) == 1
+    path.write_bytes(json.dumps([task_dict(0)]).encode()[:-2] + b"\xff]")
+    with pytest.raises(TaskFileError, match=r"tasks.json: not UTF-8 text \(byte 0xff at offset"):
+        load_tasks(path, strict=False)
+    path.write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(TaskFileError, match="tasks.json: nested too deeply"):
+        load_tasks(path, strict=False)

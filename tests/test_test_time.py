@@ -511,7 +511,7 @@ def test_rehearsal_eval_job_prints_the_table_and_plots_from_a_train_workdir(tmp_
         return r.stdout
 
     main("smoke")
-    assert (tmp_path / "warm_start").is_dir()  # the warm-start policy is kept for the eval
+    assert (tmp_path / "checkpoints" / "warm_start").is_dir()  # kept for the eval
     out = main("rehearsal_eval_smoke")
     assert "Test-time rehearsal on held-out test tasks" in out
     for row in (

@@ -35,7 +35,7 @@ import numpy as np
 
 from envace_jax.data.checklists import DEFAULT_WEIGHT_TOLERANCE
 from envace_jax.data.tasks import Task, parse_task
-from envace_jax.data.validation import Errors
+from envace_jax.data.validation import Errors, lone_surrogate_path
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,9 @@ def parse_record(
     if not isinstance(rec, Mapping):
         err.expect("", "a JSON object", rec)
         return None, err.items
+    if (bad := lone_surrogate_path(rec)) is not None:
+        err.add(bad, "holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), not text")
+        return None, err.items
     if "extra_info" in rec:
         d, paths = _from_reference(rec, err)
     elif "checklists" in rec and "checklist" not in rec:
@@ -212,7 +215,10 @@ def parse_records(
         if isinstance(rec, Exception):
             rejected.append((i, str(rec)))
             continue
-        task, errors = parse_record(to_python(rec), weight_tolerance=weight_tolerance)
+        try:
+            task, errors = parse_record(to_python(rec), weight_tolerance=weight_tolerance)
+        except RecursionError:  # validation recurses through the record's values
+            task, errors = None, [("", TOO_DEEP)]
         if task is not None and task.task_id in seen:
             first = seen[task.task_id]
             errors = [("task_id", f"duplicate {task.task_id!r} (first at record {first})")]
@@ -242,12 +248,33 @@ class _BadRecord(ValueError):
     pass
 
 
+TOO_DEEP = "nested too deeply (beyond Python's recursion limit)"
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark, which some editors write first
+
+
+def _text(data: bytes, where: str) -> str:
+    """`data` as UTF-8 text; ValueError naming `where` and the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{where}not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}: {e.reason})"
+        ) from None
+
+
 def _iter_json(path: str) -> Iterator[Any]:
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except ValueError as e:
-            raise TaskFileError(f"{path}: not valid JSON ({e})") from e
+    with open(path, "rb") as f:
+        data = f.read().removeprefix(_BOM)
+    try:
+        text = _text(data, "")
+    except ValueError as e:
+        raise TaskFileError(f"{path}: {e}") from None
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise TaskFileError(f"{path}: {TOO_DEEP}") from None
+    except ValueError as e:
+        raise TaskFileError(f"{path}: not valid JSON ({e})") from e
     if isinstance(data, Mapping) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):
@@ -257,14 +284,23 @@ def _iter_json(path: str) -> Iterator[Any]:
 
 
 def _iter_jsonl(path: str) -> Iterator[Any]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    """One record per line; a line that is not UTF-8 or not JSON is a bad record of its own
+    (lenient mode skips it)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if lineno == 1:
+                raw = raw.removeprefix(_BOM)
+            if not raw.strip():
                 continue
             try:
-                yield json.loads(line)
+                yield json.loads(_text(raw, f"line {lineno}: "))
+            except RecursionError:
+                yield _BadRecord(f"line {lineno}: {TOO_DEEP}")
             except ValueError as e:
-                yield _BadRecord(f"line {lineno}: not valid JSON ({e})")
+                message = (
+                    str(e) if str(e).startswith("line ") else f"line {lineno}: not valid JSON ({e})"
+                )
+                yield _BadRecord(message)
 
 
 def _iter_parquet(path: str, batch_size: int = 256) -> Iterator[Any]:

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+# An unpaired UTF-16 surrogate: JSON's "\ud800" escape makes one, and no text encoding (nor
+# tokenizer) can hold it.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool", "observation")
 JSON_SCHEMA_TYPES = ("string", "number", "integer", "boolean", "array", "object", "null")
@@ -44,6 +49,25 @@ class Errors:
 
     def expect(self, path: str, what: str, value: Any) -> None:
         self.add(path, f"expected {what}, got {describe(value)}")
+
+
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """The path of the first string (or key) in a JSON-like value that holds a lone surrogate,
+    or None. Iterative: a record may nest deeper than Python's recursion limit."""
+    stack = [(path, value)]
+    while stack:
+        p, v = stack.pop()
+        if isinstance(v, str):
+            if LONE_SURROGATE.search(v):
+                return p or "(the record)"
+        elif isinstance(v, Mapping):
+            for k in v:
+                if isinstance(k, str) and LONE_SURROGATE.search(k):
+                    return f"{p or '(the record)'} (the key {ascii(k)})"
+            stack.extend((join_path(p, str(k)), x) for k, x in reversed(list(v.items())))
+        elif isinstance(v, list | tuple):
+            stack.extend((join_path(p, i), x) for i, x in reversed(list(enumerate(v))))
+    return None
 
 
 def join_path(path: str, key: str | int) -> str:

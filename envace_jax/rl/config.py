@@ -31,7 +31,10 @@ def _roles_ok(v: Any) -> bool:
 
 
 _ROLES: Rule = (_roles_ok, f"a non-empty tuple of distinct role names from {sorted(ROLE_IDS)}")
-_DUAL_CLIP: Rule = (lambda v: number(1, lo_open=True)[0](v) or v == 0, "0 (off) or a number > 1")
+_DUAL_CLIP: Rule = (
+    lambda v: number(1, lo_open=True)[0](v) or v == 0,
+    "0 (off) or a finite number > 1",
+)
 _ROLE_NAMES = tuple(ROLE_IDS)  # every generated role
 
 

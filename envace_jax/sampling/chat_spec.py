@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from envace_jax.sampling.loop import TurnSpec
-from envace_jax.text.chat import encode
 from envace_jax.text.role_pieces import role_pieces, tool_responses_ids
 from envace_jax.text.tokenizer import special_ids
+from envace_jax.text.untrusted import encode_plain
 
 
 def turn_spec(
@@ -33,11 +33,12 @@ def turn_spec(
 
 
 def user_turn_ids(tokenizer, text: str) -> list[int]:
-    """Glue after a final reply + the user's text + glue up to the next assistant content."""
+    """Glue after a final reply + the user's text (as text: `text.untrusted`) + glue up to the
+    next assistant content."""
     pieces = role_pieces(tokenizer)
     return (
         list(pieces.final_to_user_prefix)
-        + encode(tokenizer, text)
+        + encode_plain(tokenizer, text)
         + list(pieces.user_to_act_suffix)
     )
 
@@ -45,7 +46,8 @@ def user_turn_ids(tokenizer, text: str) -> list[int]:
 def observation_ids(tokenizer, responses: Sequence[str]) -> list[int]:
     """Host turns: the ids appended after an ACT message with tool calls — the tool-response turn
     holding `responses` (real-environment output, CONTEXT) and the glue to the next ACT message.
-    The bodies are encoded as one text, so BPE merges inside the turn match the template's."""
+    The bodies are encoded as one text, so BPE merges inside the turn match the template's, and
+    as text: a `<|im_end|>` in an environment's output cannot end the turn."""
     pieces = role_pieces(tokenizer)
     return (
         list(pieces.act_to_rehearse)

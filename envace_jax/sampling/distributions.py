@@ -32,12 +32,15 @@ class SamplingParams:
     top_k: keep the k most likely tokens; 0 keeps all.
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 keeps all.
     greedy: argmax (log-probs are then those of temperature 1).
+    seed: (`RowSampling` only) the row draws its noise from this seed and its position alone,
+      so it samples the same tokens in any batch and any row; None: from the batch's key.
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
+    seed: int | None = None
 
     def __post_init__(self):
         if not self.greedy and not self.temperature > 0:
@@ -56,6 +59,8 @@ class RowSampling:
     top_k: jax.Array  # int32; 0 keeps all
     top_p: jax.Array  # float32; 1 keeps all
     greedy: jax.Array  # bool
+    seed: jax.Array  # uint32: the row's seed (modulo 2**32) where `seeded`
+    seeded: jax.Array  # bool
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> RowSampling:
@@ -65,6 +70,8 @@ class RowSampling:
             top_k=np.array([p.top_k for p in params], np.int32),
             top_p=np.array([p.top_p for p in params], np.float32),
             greedy=np.array([p.greedy for p in params], np.bool_),
+            seed=np.array([(p.seed or 0) % 2**32 for p in params], np.uint32),
+            seeded=np.array([p.seed is not None for p in params], np.bool_),
         )
 
 
@@ -135,15 +142,17 @@ def sample_next(
     params: SamplingParams | RowSampling,
     noise_rows: jax.Array | None = None,
     noise_batch: int | None = None,
+    positions: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Picks one token per row. logits: f32 [B, V]. Returns (tokens int32 [B], logprobs f32 [B]).
 
     noise_rows [B] / noise_batch (static): the rows are rows `noise_rows` of a `noise_batch`-row
-    batch, and each samples with that row's noise (`categorical`)."""
+    batch, and each samples with that row's noise (`categorical`). positions [B]: where each
+    row's token goes (what a seeded `RowSampling` row draws its noise from, with its seed)."""
     logits = logits.astype(jnp.float32)
     draw = functools.partial(categorical, rows=noise_rows, batch=noise_batch)
     if isinstance(params, RowSampling):
-        return _sample_rows(logits, key, params, draw)
+        return _sample_rows(logits, key, params, draw, positions)
     temperature = 1.0 if params.greedy else params.temperature
     scaled = logits / temperature
     logprobs_all = jax.nn.log_softmax(scaled, axis=-1)
@@ -168,8 +177,17 @@ def categorical(
     return jnp.argmax(noise[rows] + logits, axis=-1)
 
 
+def _seeded_draw(logits: jax.Array, seed: jax.Array, positions: jax.Array) -> jax.Array:
+    """Per row, a categorical draw keyed by (seed, position) alone: [B]."""
+
+    def one(s, pos, row):
+        return jax.random.categorical(jax.random.fold_in(jax.random.key(s), pos), row)
+
+    return jax.vmap(one)(seed, positions, logits)
+
+
 def _sample_rows(
-    logits: jax.Array, key: jax.Array, p: RowSampling, draw=categorical
+    logits: jax.Array, key: jax.Array, p: RowSampling, draw=categorical, positions=None
 ) -> tuple[jax.Array, jax.Array]:
     scaled = logits / jnp.where(p.greedy, 1.0, p.temperature)[:, None]
     logprobs_all = jax.nn.log_softmax(scaled, axis=-1)
@@ -183,6 +201,12 @@ def _sample_rows(
         lambda: scaled,
     )
     sampled = draw(key, support)
+    if positions is not None:  # seeded rows: the same noise in any batch (a cond: rare)
+        sampled = jax.lax.cond(
+            jnp.any(p.seeded & ~p.greedy),
+            lambda: jnp.where(p.seeded, _seeded_draw(support, p.seed, positions), sampled),
+            lambda: sampled,
+        )
     tokens = jnp.where(p.greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen

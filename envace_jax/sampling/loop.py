@@ -239,7 +239,7 @@ def _step(
     inp = s.tokens[rows, last][:, None]
     logits, cache = model(inp, last[:, None], cache=s.cache, kv_window=window)
     key = jax.random.fold_in(s.key, s.step)
-    sampled, logprob = sample_next(logits[:, 0], key, sampling, noise_rows, noise_batch)
+    sampled, logprob = sample_next(logits[:, 0], key, sampling, noise_rows, noise_batch, s.length)
     written, w = _write_token(s, sampled, logprob)
     return _transition(spec, written, w).replace(cache=cache, step=s.step + 1)
 

@@ -31,6 +31,7 @@ from envace_jax.serve import protocol as P
 from envace_jax.serve.batcher import Engine
 from envace_jax.serve.chat import chat
 from envace_jax.serve.completions import completions
+from envace_jax.serve.limits import Limits
 from envace_jax.serve.middleware import ApiKey, BodyLimit
 from envace_jax.serve.prompts import Prompts, longest_token_chars
 from envace_jax.serve.state import ServerState, server
@@ -44,7 +45,8 @@ class ServerConfig:
       model directory). max_model_len: prompt + completion tokens allowed per request.
     default_max_tokens: completion budget of chat requests that set none (None: the rest of
       the context). api_key: required as `Authorization: Bearer KEY` when set.
-    max_request_bytes: larger bodies are refused with 413.
+    limits: request sizes and times (`limits.Limits`; the connection limits are enforced by
+      the HTTP layer, `connections`).
     max_prompt_chars: longer prompt text is refused before it is tokenized (see `prompts`;
       None: max_model_len times the tokenizer's longest token).
     """
@@ -54,7 +56,7 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()
     default_max_tokens: int | None = None
     api_key: str | None = None
-    max_request_bytes: int = 4 * 2**20
+    limits: Limits = Limits()
     max_prompt_chars: int | None = None
 
 
@@ -83,8 +85,10 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig):
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat)
     # The key is checked before the body is read: a client without it costs no buffering.
-    asgi = BodyLimit(app, config.max_request_bytes)
-    return ApiKey(asgi, config.api_key) if config.api_key else asgi
+    asgi = BodyLimit(app, config.limits.max_request_bytes, config.limits.body_timeout)
+    asgi = ApiKey(asgi, config.api_key) if config.api_key else asgi
+    asgi.server_state = app.state.server  # for the process's forced shutdown (`__main__`)
+    return asgi
 
 
 async def health(request: Request):

@@ -1,16 +1,20 @@
 """`POST /v1/chat/completions`: messages and tools in; content and parsed tool calls out.
 
 A reply whose tool-call blocks parse is returned as `tool_calls` (finish reason `tool_calls`),
-anything else as plain content. Streaming sends content as it is generated, holding back
-everything from the first tool-call block on, and the parsed calls in one delta at the end.
+anything else as plain content. A call forced by `tool_choice` is always returned as a call, or
+answered with an error saying why there is none (`forced`). Streaming sends content as it is
+generated, holding back everything from the first tool-call block on, and the parsed calls in
+one delta at the end.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 
 from fastapi import Request
 
+from envace_jax.serve import errors, forced
 from envace_jax.serve import protocol as P
 from envace_jax.serve.state import GONE, Choice, envelope, finish_reason, server
 from envace_jax.serve.streaming import progress, sse, usage_chunk
@@ -20,6 +24,7 @@ from envace_jax.text.tool_calls import CALL_OPEN, parse_tool_calls
 
 async def chat(req: P.ChatCompletionRequest, request: Request):
     state = server(request, req)
+    state.check_rows(1, req.n, "n")
     built = await state.prompts.chat(req)
     prompt, prefix, parse_calls = built.ids, built.prefix, built.parse_calls
     requested = req.max_completion_tokens or req.max_tokens
@@ -29,35 +34,60 @@ async def chat(req: P.ChatCompletionRequest, request: Request):
     )
     stops = req.stop_list()
     hold = (CALL_OPEN,) if parse_calls else ()
+    tools = [t.model_dump() for t in req.tools or []]
 
     def make_text():
         return ChoiceText(
-            state.tokenizer, stops=stops, stop_ids=req.stop_token_ids or (), hold=hold
+            state.tokenizer,
+            stops=stops,
+            stop_ids=req.stop_token_ids or (),
+            hold=hold,
+            offsets=bool(req.logprobs),
+            stop_at=(lambda text: _end_of_call(prefix, text)) if prefix else None,
         )
 
-    choices = state.start_choices(prompt, max_new, req.sampling_params(), req.n, make_text, prefix)
+    rows = [(prompt, max_new)]
+    sampling = req.sampling_params()
+    choices = await state.start_choices(rows, sampling, req.n, make_text, prefix, req.seed)
     rid, model_name = P.new_id("chatcmpl"), req.model
     if req.stream:
-        events = _stream(state, choices, rid, model_name, req, len(prompt), parse_calls)
+        events = _stream(state, choices, rid, model_name, req, len(prompt), parse_calls, tools)
         return sse(events, choices, state.engine)
     if not await state.run_all(choices, request):
         return GONE
     out = []
     for i, c in enumerate(choices):
-        message, reason = _message(c, parse_calls, req.parallel_tool_calls)
+        message, reason = _message(c, parse_calls, req.parallel_tool_calls, tools)
         item = {"index": i, "message": message, "finish_reason": reason, "logprobs": None}
         if req.logprobs:
-            item["logprobs"] = _logprobs(c)
+            item["logprobs"] = _logprobs(c, 0, len(c.text.ids))
         out.append(item)
     usage = P.usage(len(prompt), sum(c.done.num_generated for c in choices))
     return envelope("chat.completion", rid, model_name, out, usage=usage)
 
 
-def _parsed_calls(c: Choice, parse_calls: bool, parallel: bool | None):
-    """(content, OpenAI tool calls or None) of a finished choice."""
+def _end_of_call(prefix: str, text: str) -> int | None:
+    """Where a forced call's JSON object ends in the reply's `text` (after `prefix`)."""
+    full = prefix + text
+    start = full.find("{", full.find(CALL_OPEN))
+    end = forced.json_end(full[start:])
+    return None if end is None else max(0, start + end - len(prefix))
+
+
+def _parsed_calls(c: Choice, parse_calls: bool, parallel: bool | None, tools):
+    """(content, OpenAI tool calls or None) of a finished choice. A forced call that the reply
+    does not give is an error that says why (`forced`)."""
     full = c.prefix + c.text.text
     if not parse_calls:
         return full, None
+    if c.prefix:
+        call, why = forced.read_call(full, tools)
+        if call is None:
+            raise errors.model_error(f"tool_choice forces a tool call, but {why}", full)
+        arguments = json.dumps(call["arguments"], ensure_ascii=False)
+        function = {"name": call["name"], "arguments": arguments}
+        call_id = "call_" + uuid.uuid4().hex[:24]
+        return None, [{"id": call_id, "type": "function", "function": function}]
     action = parse_tool_calls(full)
     if action.error is not None or not action.calls:
         return full, None
@@ -66,8 +96,8 @@ def _parsed_calls(c: Choice, parse_calls: bool, parallel: bool | None):
     return action.content, out
 
 
-def _message(c: Choice, parse_calls: bool, parallel) -> tuple[dict, str]:
-    content, calls = _parsed_calls(c, parse_calls, parallel)
+def _message(c: Choice, parse_calls: bool, parallel, tools) -> tuple[dict, str]:
+    content, calls = _parsed_calls(c, parse_calls, parallel, tools)
     reason = finish_reason(c)
     message = {"role": "assistant", "content": content}
     if calls:
@@ -78,16 +108,13 @@ def _message(c: Choice, parse_calls: bool, parallel) -> tuple[dict, str]:
     return message, reason
 
 
-def _logprobs(c: Choice) -> dict:
+def _logprobs(c: Choice, first: int, last: int) -> dict:
+    """The logprobs of tokens [first, last) of a choice."""
+    texts, logprobs = c.text.token_texts()[first:last], c.text.logprobs[first:last]
     return {
         "content": [
-            {
-                "token": t,
-                "logprob": lp,
-                "bytes": list(t.encode("utf-8")),
-                "top_logprobs": [],
-            }
-            for t, lp in zip(c.text.token_texts(), c.text.logprobs, strict=True)
+            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+            for t, lp in zip(texts, logprobs, strict=True)
         ]
     }
 
@@ -106,12 +133,20 @@ def _visible(c: Choice, parse_calls: bool, finished: bool) -> str:
     return text
 
 
-async def _stream(state, choices, rid, model_name, req, prompt_tokens, parse_calls):
-    def chunk(i, delta, reason=None):
-        choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
+async def _stream(state, choices, rid, model_name, req, prompt_tokens, parse_calls, tools):
+    def chunk(i, delta, reason=None, logprobs=None):
+        choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         return envelope("chat.completion.chunk", rid, model_name, [choice])
 
     sent = [""] * len(choices)
+    sent_tokens = [0] * len(choices)  # tokens whose logprobs were sent
+
+    def logprobs(i: int, upto: int):
+        """The logprobs of the tokens up to `upto` not sent yet (None without logprobs)."""
+        if not req.logprobs or upto <= sent_tokens[i]:
+            return None
+        out, sent_tokens[i] = _logprobs(choices[i], sent_tokens[i], upto), upto
+        return out
 
     def events(i: int, more: bool) -> list[dict]:
         c = choices[i]
@@ -120,8 +155,9 @@ async def _stream(state, choices, rid, model_name, req, prompt_tokens, parse_cal
             if len(text) <= len(sent[i]):
                 return []
             delta, sent[i] = text[len(sent[i]) :], text
-            return [chunk(i, {"content": delta})]
-        message, reason = _message(c, parse_calls, req.parallel_tool_calls)
+            covered = c.text.sent_tokens(len(text)) if req.logprobs else 0
+            return [chunk(i, {"content": delta}, logprobs=logprobs(i, covered))]
+        message, reason = _message(c, parse_calls, req.parallel_tool_calls, tools)
         content = message.get("content") or ""
         if message.get("tool_calls") is None:
             content = c.prefix + c.text.text
@@ -131,7 +167,8 @@ async def _stream(state, choices, rid, model_name, req, prompt_tokens, parse_cal
         if message.get("tool_calls"):
             deltas = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
             out.append(chunk(i, {"tool_calls": deltas}))
-        return [*out, chunk(i, {}, reason)]
+        rest = logprobs(i, len(c.text.ids))
+        return [*out, chunk(i, {}, reason, rest)]
 
     for i in range(len(choices)):
         yield chunk(i, {"role": "assistant", "content": ""})

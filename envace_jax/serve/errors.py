@@ -51,11 +51,34 @@ def server_fault(what: str, detail: BaseException | str) -> P.APIError:
     )
 
 
+def model_error(what: str, reply: str) -> P.APIError:
+    """A 500 for a reply that cannot be what the request asked for (a forced tool call that
+    is none): `what` says why; the whole reply goes to the log under the request id."""
+    rid = "req-" + uuid.uuid4().hex[:16]
+    log.warning("request %s: %s; the reply: %r", rid, what, reply)
+    return P.APIError(
+        500, f"{what} (request id {rid})", type="model_error", code="invalid_tool_call"
+    )
+
+
+def shut_down() -> P.APIError:
+    """The answer to a request still running when a forced shutdown ends it (503, with a
+    request id under which the log names it)."""
+    rid = "req-" + uuid.uuid4().hex[:16]
+    log.warning("request %s: ended by the server's shutdown (--graceful-timeout is over)", rid)
+    return P.APIError(
+        503,
+        f"the server shut down before this request finished (request id {rid})",
+        type="server_error",
+        code="shutting_down",
+    )
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        where = ".".join(loc) or "body"
+        loc = [f"[{x}]" if isinstance(x, int) else f".{x}" for x in err.get("loc", ())]
+        where = "".join(x for x in loc if x != ".body").lstrip(".") or "body"
         if err.get("type") == "json_invalid":
             ctx = err.get("ctx", {}).get("error", "")
             return f"request body is not valid JSON: {ctx}".strip(), None

@@ -11,8 +11,8 @@ checked:
   a longer one is refused without tokenizing it.
 
 `tool_choice`: 'auto' (default with tools) parses calls; 'none' renders no tools and parses
-nothing; 'required' and a named function force the start of the reply (`<tool_call>` and, for a
-named function, `{"name": "...", "arguments":`) into the prompt, so the model writes the rest.
+nothing; 'required' and a named function force the start of the reply into the prompt
+(`forced.prefix`), so the model writes the rest.
 """
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
-import re
 import uuid
 from typing import Any
 
 from pydantic import BaseModel
 
+from envace_jax.data.validation import LONE_SURROGATE
+from envace_jax.serve import forced
 from envace_jax.serve import protocol as P
-from envace_jax.text.chat import encode, render_text
+from envace_jax.text.chat import encode, render_marked
 from envace_jax.text.serving_template import serving_template
-from envace_jax.text.tool_calls import CALL_OPEN
+from envace_jax.text.untrusted import encode_marked
 
 log = logging.getLogger("envace_jax.serve")
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
 # Request fields that hold no user text (nothing to check).
 _NOT_TEXT = (int, float, bool, type(None))
 
@@ -55,7 +55,7 @@ def scan_text(value: Any, where: str) -> tuple[str | None, int]:
         path, v = stack.pop()
         if isinstance(v, str):
             chars += len(v)
-            if bad is None and _SURROGATE.search(v):
+            if bad is None and LONE_SURROGATE.search(v):
                 bad = path
         elif isinstance(v, BaseModel):
             names = list(type(v).model_fields)
@@ -63,7 +63,7 @@ def scan_text(value: Any, where: str) -> tuple[str | None, int]:
         elif isinstance(v, dict):
             for k in v:
                 chars += len(k)
-                if bad is None and _SURROGATE.search(k):
+                if bad is None and LONE_SURROGATE.search(k):
                     bad = f"{path} (the key {ascii(k)})"
             stack.extend((f"{path}.{k}", x) for k, x in reversed(v.items()))
         elif isinstance(v, list | tuple):
@@ -92,10 +92,14 @@ class Prompts:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    async def off_loop(self, fn, *args):
+        """`fn(*args)` on the pool's threads (work per row of a request)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     async def chat(self, req: P.ChatCompletionRequest) -> ChatPrompt:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._chat, req)
 
-    async def completion(self, req: P.CompletionRequest) -> list[list[int]]:
+    async def completion(self, req: P.CompletionRequest) -> list[tuple[list[int], int]]:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._completion, req)
 
     # ------------------------------------------------------------------ checks
@@ -128,9 +132,11 @@ class Prompts:
                 code="context_length_exceeded",
             )
 
-    def _encode(self, text: str, param: str) -> list[int]:
+    def _encode(self, encoding, param: str) -> list[int]:
+        """`encoding()`, the ids of the request's text; a 400 naming `param` if the tokenizer
+        rejects the text."""
         try:
-            return encode(self.tokenizer, text)
+            return encoding()
         except Exception as e:  # text the tokenizer rejects: the client's text, not a fault
             rid = "req-" + uuid.uuid4().hex[:16]
             log.warning("request %s: %s cannot be tokenized", rid, param, exc_info=e)
@@ -166,22 +172,17 @@ class Prompts:
 
     # ------------------------------------------------------------------ completions
 
-    def _completion(self, req: P.CompletionRequest) -> list[list[int]]:
+    def _completion(self, req: P.CompletionRequest) -> list[tuple[list[int], int]]:
+        """(prompt ids, completion tokens) per prompt."""
         self._check_text(req, ())
-        p = req.prompt
-        if isinstance(p, str):
-            items: list = [p]
-        elif p and all(isinstance(x, int) for x in p):
-            items = [p]
-        else:
-            items = list(p)
+        items = req.prompt_items()
         if not items:
             raise P.APIError(400, "prompt: must not be empty", param="prompt")
         out = []
         for i, item in enumerate(items):
             if isinstance(item, str):
                 self._check_length(len(item), f"prompt[{i}]")
-                ids = self._encode(item, f"prompt[{i}]")
+                ids = self._encode(lambda item=item: encode(self.tokenizer, item), f"prompt[{i}]")
             else:
                 ids = list(item)
             if not ids:
@@ -191,7 +192,7 @@ class Prompts:
                 raise P.APIError(
                     400, f"prompt[{i}]: token id {bad[0]} outside [0, {self.vocab})", param="prompt"
                 )
-            out.append(ids)
+            out.append((ids, self.budget(len(ids), req.max_tokens, None, "max_tokens", "prompt")))
         return out
 
     # ------------------------------------------------------------------ chat
@@ -215,7 +216,7 @@ class Prompts:
             )
         prefix = ""
         if choice == "required":
-            prefix = CALL_OPEN + '\n{"name":'
+            prefix = forced.prefix(tools, None)
         elif isinstance(choice, P.NamedToolChoice):
             name = choice.function.name
             if name not in {t["function"]["name"] for t in tools}:
@@ -224,16 +225,16 @@ class Prompts:
                     f"tool_choice names function {name!r}, which is not among the tools",
                     param="tool_choice",
                 )
-            prefix = CALL_OPEN + "\n" + '{"name": ' + json.dumps(name) + ', "arguments":'
-        try:
-            text = render_text(self.tokenizer, messages, tools or None, add_generation_prompt=True)
+            prefix = forced.prefix(tools, name)
+        try:  # message text as text (`text.untrusted`): it cannot forge a turn
+            marked = render_marked(self.tokenizer, messages, tools or None, True) + prefix
         except Exception as e:  # the template rejects the conversation
             raise P.APIError(
                 400, f"messages: cannot render the conversation: {e}", param="messages"
             ) from e
-        text += prefix
-        self._check_length(len(text), "messages")
-        return ChatPrompt(self._encode(text, "messages"), prefix, bool(tools))
+        self._check_length(len(marked.text), "messages")
+        ids = self._encode(lambda: encode_marked(self.tokenizer, marked), "messages")
+        return ChatPrompt(ids, prefix, bool(tools))
 
     @staticmethod
     def _message(m: P.Message, where: str) -> dict:

@@ -68,8 +68,12 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+# A tool name is rendered into the prompt as is: no markup (`</tool_call><|im_end|>`) fits.
+TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
 class FunctionDef(_Strict):
-    name: str = Field(min_length=1, max_length=256)
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -118,12 +122,18 @@ class Message(_Lenient):
             return self.content
         out = []
         for j, part in enumerate(self.content):
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise APIError(
                     400,
                     f"{where}.content[{j}]: only text content parts are supported, got "
                     f"type {part.type!r}",
                     param=f"{where}.content",
+                )
+            if part.text is None:
+                raise APIError(
+                    400,
+                    f"{where}.content[{j}]: a text part needs a 'text' string",
+                    param=f"{where}.content[{j}].text",
                 )
             out.append(part.text)
         return "".join(out)
@@ -216,6 +226,13 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
     skip_special_tokens: bool = False
+
+    def prompt_items(self) -> list:
+        """The prompts: the one string or token-id list, or each of a list of them."""
+        p = self.prompt
+        if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
+            return [p]
+        return list(p)
 
     def unsupported(self):
         out = super().unsupported()

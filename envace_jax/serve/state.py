@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import weakref
+import zlib
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.serve import errors
 from envace_jax.serve import protocol as P
 from envace_jax.serve.batcher import Done, Engine, Tokens
@@ -26,7 +29,7 @@ if TYPE_CHECKING:
     from envace_jax.serve.app import ServerConfig
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Choice:
     seq: EngineSeq
     text: ChoiceText
@@ -46,6 +49,9 @@ class ServerState:
     prompts: Prompts
     names: frozenset[str]
     created: int
+    # Choices whose requests are running (`abort_all` ends them at a forced shutdown).
+    live: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)
+    closing: bool = False  # a forced shutdown began: no new choices
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -56,17 +62,45 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def start_choices(self, prompt, max_new, sampling, n, make_text, prefix="") -> list[Choice]:
+    def check_rows(self, prompts: int, n: int, param: str) -> None:
+        """A 400 before any work when `prompts` x `n` rows exceed the limit per request."""
+        limit = self.config.limits.max_rows_per_request
+        if prompts * n > limit:
+            what = f"{prompts} prompts x n={n}" if prompts > 1 else f"n={n}"
+            raise P.APIError(
+                400,
+                f"{param}: the request asks for {prompts * n} rows ({what}); this server takes "
+                f"at most {limit} rows per request (--max-rows-per-request)",
+                param=param,
+                code="too_many_rows",
+            )
+
+    async def start_choices(self, rows, sampling, n, make_text, prefix="", seed=None):
+        """Queues `n` choices for each (prompt ids, max new tokens) of `rows`, sampled with
+        `sampling` (`seed`: each choice gets a seed of its own from it). The per-row setup
+        runs on a worker thread, not on the event loop."""
         aloop = asyncio.get_running_loop()
+        args = (aloop, rows, sampling, n, make_text, prefix, seed)
+        choices = await self.prompts.off_loop(self._start_choices, *args)
+        self.live.update(choices)
+        if self.closing:  # a forced shutdown began while they were being set up
+            self.abort(choices)
+        return choices
+
+    def _start_choices(self, aloop, rows, sampling, n, make_text, prefix, seed):
+        if self.closing:
+            raise errors.shut_down()
         choices = []
-        for _ in range(n):
-            queue: asyncio.Queue = asyncio.Queue()
+        for prompt, max_new in rows:
+            for _ in range(n):
+                queue: asyncio.Queue = asyncio.Queue()
 
-            def on_event(ev, queue=queue):
-                aloop.call_soon_threadsafe(queue.put_nowait, ev)
+                def on_event(ev, queue=queue):
+                    aloop.call_soon_threadsafe(queue.put_nowait, ev)
 
-            seq = EngineSeq(tuple(prompt), max_new, sampling, on_event)
-            choices.append(Choice(seq, make_text(), queue, prefix=prefix))
+                row = sampling if seed is None else choice_sampling(sampling, seed, len(choices))
+                seq = EngineSeq(tuple(prompt), max_new, row, on_event)
+                choices.append(Choice(seq, make_text(), queue, prefix=prefix))
         try:
             for c in choices:
                 self.engine.submit(c.seq)
@@ -75,6 +109,20 @@ class ServerState:
                 self.engine.cancel(c.seq)
             raise P.APIError(503, str(e), type="server_error", code="shutting_down") from e
         return choices
+
+    def abort(self, choices) -> None:
+        """Ends running choices as the forced shutdown does: their rows are cancelled and
+        their requests answered with `errors.shut_down` (a stream: as its last event)."""
+        for c in list(choices):
+            if c.done is None:
+                self.engine.cancel(c.seq)
+                c.queue.put_nowait(Done("shutdown", len(c.text.ids)))
+
+    def abort_all(self) -> None:
+        """The forced shutdown (`--graceful-timeout` is over): no new choices, and every
+        running one is ended."""
+        self.closing = True
+        self.abort(self.live)
 
     async def pump(self, choice: Choice) -> bool:
         """Waits for the next engine events of a choice and takes all that are queued (a row's
@@ -92,6 +140,8 @@ class ServerState:
         choice.done = ev
         if ev.finish_reason == "error":
             raise errors.server_fault("generation failed", ev.error)
+        if ev.finish_reason == "shutdown":
+            raise errors.shut_down()
         return False
 
     async def run_all(self, choices: list[Choice], request: Request) -> bool:
@@ -116,6 +166,13 @@ class ServerState:
             for c in choices:
                 if c.done is None:
                     self.engine.cancel(c.seq)
+
+
+def choice_sampling(sampling: SamplingParams, seed: int, index: int) -> SamplingParams:
+    """The sampling of choice `index` of a request with `seed`: a seed of its own, so that the
+    n choices differ from each other, and each is the same in any batch (the sampler draws a
+    seeded row's noise from its seed and position alone)."""
+    return dataclasses.replace(sampling, seed=zlib.crc32(f"{seed}/{index}".encode()))
 
 
 def server(request: Request, req=None) -> ServerState:

@@ -11,7 +11,7 @@ only the tokens after it are decoded again (byte-level BPE decodes any clean spl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 _PARTIAL = "\ufffd"  # what a cut multi-byte character decodes to
 
@@ -33,6 +33,9 @@ class ChoiceText:
     stops: stop strings (the text ends before the first one; it is not included).
     stop_ids: token ids that end the text (not included).
     hold: markers whose beginnings are held back from streaming (e.g. '<tool_call>').
+    offsets: keep `offsets`, where each kept token's text starts in `text` (for logprobs).
+    stop_at: called with the text so far; where it returns an index, the text ends there (as
+      at a stop sequence).
     """
 
     def __init__(
@@ -43,6 +46,8 @@ class ChoiceText:
         stop_ids: Sequence[int] = (),
         hold: Sequence[str] = (),
         skip_special_tokens: bool = False,
+        offsets: bool = False,
+        stop_at: Callable[[str], int | None] | None = None,
     ):
         self.tokenizer = tokenizer
         self.stops = tuple(stops)
@@ -53,6 +58,8 @@ class ChoiceText:
         self.logprobs: list[float] = []
         self.text = ""
         self.stopped = False  # a stop string or stop id was reached
+        self.offsets: list[int] | None = [] if offsets else None
+        self.stop_at = stop_at
         self._fixed_ids = 0
         self._fixed_text = ""
         self._searched = 0  # stop strings were looked for in text[:_searched]
@@ -77,6 +84,8 @@ class ChoiceText:
         self.logprobs += logprobs
         tail = self._decode(self.ids[self._fixed_ids :])
         text = self._fixed_text + tail
+        if self.offsets is not None:
+            self._place_tokens(tail)
         if not tail.endswith(_PARTIAL):
             self._fixed_ids, self._fixed_text = len(self.ids), text
         if self.stops:
@@ -87,7 +96,26 @@ class ChoiceText:
                 text, self.stopped = text[: min(hits)], True
                 self._trim_tokens(len(text))
             self._searched = len(text)
+        if self.stop_at is not None and not self.stopped:
+            cut = self.stop_at(text)
+            if cut is not None:
+                text, self.stopped = text[:cut], True
+                self._trim_tokens(len(text))
         self.text = text
+
+    def _place_tokens(self, tail: str) -> None:
+        """Offsets of the tokens after the last clean boundary (recomputed while a character
+        is still open there): where the text of the tokens before each one ends, as far as
+        it agrees with the text so far (a byte that never completes a character stays a
+        U+FFFD in the text; one that does is not counted on its own)."""
+        start = self._fixed_ids
+        del self.offsets[start:]
+        base = len(self._fixed_text)
+        for j in range(start, len(self.ids)):
+            head = self._decode(self.ids[start:j])
+            pairs = enumerate(zip(head, tail, strict=False))
+            n = next((k for k, (a, b) in pairs if a != b), len(head))
+            self.offsets.append(base + min(n, len(tail)))
 
     def _trim_tokens(self, chars: int) -> None:
         """Drops the tokens that start at or after character `chars` (after a stop string)."""
@@ -96,6 +124,13 @@ class ChoiceText:
             end = len(self._decode(self.ids[: n + 1]))
             n += 1
         del self.ids[n:], self.logprobs[n:]
+        if self.offsets is not None:
+            del self.offsets[n:]
+
+    def sent_tokens(self, chars: int) -> int:
+        """How many kept tokens lie wholly within text[:chars] (with `offsets`)."""
+        ends = self.offsets[1:] + [len(self.text)]
+        return next((k for k, end in enumerate(ends) if end > chars), len(ends))
 
     def streamable(self, finished: bool) -> str:
         """The prefix of the text that can be sent now (all of it once finished)."""

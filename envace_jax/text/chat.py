@@ -5,6 +5,11 @@ Rendering: the chat template renders text (``tokenize=False``), which is then en
 inside transformers 5 (a test checks the ids agree), without its return-type differences
 (a ``BatchEncoding`` there), and it gives the text that role-piece derivation diffs.
 
+Message text is untrusted: the strings of control tokens in system, user and tool messages and
+in the tools are encoded as text (`text.untrusted`), so that text cannot end its turn and start
+another; the template's own markup, and assistant messages (the model's output), are encoded
+as the template renders them.
+
 Parsing relies on a :class:`ChatLayout`: the literal pieces of the Qwen3 layout (turn header,
 end-of-turn token, tool-response wrapping, tools block), each derived by rendering probe
 conversations with the tokenizer's own template, never hard-coded. Anything the template
@@ -21,8 +26,19 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from envace_jax.text.tool_calls import parse_tool_calls
+from envace_jax.text.untrusted import (
+    Marked,
+    choose_mark,
+    encode_marked,
+    hide_marked,
+    holds_markup,
+    mark_values,
+    marked_ids,
+    strings_of,
+)
 
 Message = dict[str, Any]
+UNTRUSTED_ROLES = ("system", "developer", "user", "tool")  # whose text is not markup
 
 
 class TemplateLayoutError(ValueError):
@@ -65,14 +81,53 @@ def decode(tokenizer, ids: Sequence[int]) -> str:
     )
 
 
+def _untrusted_parts(message: Mapping) -> list:
+    """What of a message is not markup: a system, user or tool message's content; an
+    assistant message's calls (names and arguments), not its content."""
+    if message.get("role") in UNTRUSTED_ROLES:
+        return [message.get("content")]
+    return [c.get("function", c) for c in message.get("tool_calls") or []]
+
+
+def _marked_message(tokenizer, message: Mapping, mark: str) -> dict:
+    m = dict(message)
+    if m.get("role") in UNTRUSTED_ROLES:
+        m["content"] = mark_values(tokenizer, m.get("content"), mark)
+    elif m.get("tool_calls"):
+        m["tool_calls"] = mark_values(tokenizer, m["tool_calls"], mark)
+    return m
+
+
+def render_marked(
+    tokenizer,
+    messages: Sequence[Mapping],
+    tools: Sequence[Mapping] | None = None,
+    add_generation_prompt: bool = False,
+    mark: str | None = None,
+) -> Marked:
+    """The template's rendering of ``messages`` with the control-token strings of untrusted
+    text marked as text (``text.untrusted``); ``mark``: the mark to use (one is chosen)."""
+    untrusted = [p for m in messages for p in _untrusted_parts(m)] + list(tools or [])
+    strings = list(strings_of(untrusted))
+    if not any(holds_markup(tokenizer, x) for x in strings):
+        text = render_text(tokenizer, messages, tools, add_generation_prompt)
+        return Marked(text, mark or choose_mark([text]))
+    mark = mark or choose_mark(strings_of([list(messages), list(tools or [])]))
+    marked = [_marked_message(tokenizer, m, mark) for m in messages]
+    marked_tools = mark_values(tokenizer, list(tools), mark) if tools else None
+    return Marked(render_text(tokenizer, marked, marked_tools, add_generation_prompt), mark)
+
+
 def render(
     tokenizer,
     messages: Sequence[Mapping],
     tools: Sequence[Mapping] | None = None,
     add_generation_prompt: bool = False,
 ) -> list[int]:
-    """Token ids of the template's rendering of ``messages``."""
-    return encode(tokenizer, render_text(tokenizer, messages, tools, add_generation_prompt))
+    """Token ids of the template's rendering of ``messages``, message text encoded as text."""
+    return encode_marked(
+        tokenizer, render_marked(tokenizer, messages, tools, add_generation_prompt)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,38 +307,47 @@ class ParsedConversation:
     partial: str
 
     def render_text(self, tokenizer) -> str:
+        return self.render_marked(tokenizer).plain
+
+    def render_marked(self, tokenizer, mark: str | None = None) -> Marked:
         lay = chat_layout(tokenizer)
         if not self.messages:  # nothing but an unfinished first turn
-            return (lay.head("assistant") if self.add_generation_prompt else "") + self.partial
-        text = render_text(tokenizer, self.messages, self.tools, self.add_generation_prompt)
+            head = lay.head("assistant") if self.add_generation_prompt else ""
+            return Marked(head + self.partial, mark or choose_mark([self.partial]))
+        text = render_marked(tokenizer, self.messages, self.tools, self.add_generation_prompt, mark)
         if not self.final_turn_sep:
-            text = text[: len(text) - len(lay.turn_sep)]
+            text = Marked(text.text[: len(text.text) - len(lay.turn_sep)], text.mark)
         return text + self.partial
 
     def render(self, tokenizer) -> list[int]:
-        return encode(tokenizer, self.render_text(tokenizer))
+        return encode_marked(tokenizer, self.render_marked(tokenizer))
 
 
-def _assistant_message(tokenizer, lay: ChatLayout, body: str) -> Message:
-    """Structured (content + tool_calls) when that re-renders to ``body``, else raw content."""
-    action = parse_tool_calls(body)
+def _assistant_message(tokenizer, lay: ChatLayout, body: Marked) -> Message:
+    """Structured (content + tool_calls) when that re-renders to ``body``, else raw content.
+    A control-token string that was text (marked) is text inside a call, never its markup."""
+    hidden, restore = hide_marked(tokenizer, body)
+    action = parse_tool_calls(hidden)
+    clean = body.plain
     if action.calls:
         calls = []
         for call in action.calls:
-            prefix = f'{{"name": {json.dumps(call.name, ensure_ascii=False)}, "arguments": '
-            if call.raw.startswith(prefix) and call.raw.endswith("}"):
-                args: Any = call.raw[len(prefix) : -1]  # verbatim, so it re-renders exactly
+            name, raw = restore(call.name), restore(call.raw)
+            prefix = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+            if raw.startswith(prefix) and raw.endswith("}"):
+                args: Any = raw[len(prefix) : -1]  # verbatim, so it re-renders exactly
             else:
-                args = call.arguments
-            calls.append({"type": "function", "function": {"name": call.name, "arguments": args}})
-        message = {"role": "assistant", "content": action.content, "tool_calls": calls}
-        expected = lay.head("assistant") + body + lay.end_of_turn + lay.turn_sep
+                args = restore(call.arguments)
+            calls.append({"type": "function", "function": {"name": name, "arguments": args}})
+        content = restore(action.content)
+        message = {"role": "assistant", "content": content, "tool_calls": calls}
+        expected = lay.head("assistant") + clean + lay.end_of_turn + lay.turn_sep
         try:
             if render_text(tokenizer, [message]) == expected:
                 return message
         except Exception:  # e.g. a template that rejects the structure: keep the raw text
             pass
-    return {"role": "assistant", "content": body}
+    return {"role": "assistant", "content": clean}
 
 
 def _system_and_tools(lay: ChatLayout, body: str) -> tuple[str | None, list | None]:
@@ -306,15 +370,28 @@ def _system_and_tools(lay: ChatLayout, body: str) -> tuple[str | None, list | No
     return body, None
 
 
+def find_markup(text: str, sub: str, start: int, mark: str) -> int:
+    """``text.find(sub, start)``, skipping occurrences that are marked as plain text."""
+    at = text.find(sub, start)
+    while at > 0 and text[at - 1] == mark:
+        at = text.find(sub, at + 1)
+    return at
+
+
 def parse_conversation(tokenizer, ids_or_text: str | Sequence[int]) -> ParsedConversation:
     """Split a rendered conversation (text or ids) back into chat messages and tools.
 
     Tool-response turns become ``tool`` messages; assistant turns get ``tool_calls`` (with the
     arguments' exact JSON text) when that re-renders identically, otherwise their raw text as
-    content. Raises ConversationParseError where the text is not in the chat layout or does
-    not re-render to itself.
+    content. From ids, a control-token string that was encoded as text is text of its message,
+    never markup, and the messages re-render to the same ids. Raises ConversationParseError
+    where the text is not in the chat layout or does not re-render to itself.
     """
-    text = ids_or_text if isinstance(ids_or_text, str) else decode(tokenizer, ids_or_text)
+    if isinstance(ids_or_text, str):
+        marked = Marked(ids_or_text, choose_mark([ids_or_text]))
+    else:
+        marked = marked_ids(tokenizer, ids_or_text)
+    text, mark = marked.text, marked.mark
     lay = chat_layout(tokenizer)
     turns: list[tuple[str, str]] = []
     pos, final_sep, gen_prompt, partial = 0, True, False, ""
@@ -325,7 +402,7 @@ def parse_conversation(tokenizer, ids_or_text: str | Sequence[int]) -> ParsedCon
             )
         role_end = text.find(lay.head_suffix, pos + len(lay.head_prefix))
         body_start = role_end + len(lay.head_suffix)
-        end = text.find(lay.end_of_turn, body_start) if role_end >= 0 else -1
+        end = find_markup(text, lay.end_of_turn, body_start, mark) if role_end >= 0 else -1
         if end < 0:  # the last turn is unfinished
             role = text[pos + len(lay.head_prefix) : role_end] if role_end >= 0 else None
             if role == "assistant":
@@ -348,24 +425,26 @@ def parse_conversation(tokenizer, ids_or_text: str | Sequence[int]) -> ParsedCon
     messages: list[Message] = []
     tools = None
     ro, rc = lay.response_open, lay.response_close
-    for i, (role, body) in enumerate(turns):
+    partial = partial.replace(mark, "")
+    for i, (role, body) in enumerate(turns):  # markup is found in `body`, text is `clean`
+        clean = body.replace(mark, "")
         if i == 0 and role == "system":
-            content, tools = _system_and_tools(lay, body)
+            content, tools = _system_and_tools(lay, clean)
             if content is not None:
                 messages.append({"role": "system", "content": content})
         elif role == "user" and _is_tool_turn(body, ro, rc):
             inner = body[len(ro) : len(body) - len(rc)]
             for response in inner.split(rc + lay.response_sep + ro):
-                messages.append({"role": "tool", "content": response})
+                messages.append({"role": "tool", "content": response.replace(mark, "")})
         elif role == "assistant":
-            messages.append(_assistant_message(tokenizer, lay, body))
+            messages.append(_assistant_message(tokenizer, lay, Marked(body, mark)))
         else:
-            messages.append({"role": role, "content": body})
+            messages.append({"role": role, "content": clean})
 
     parsed = ParsedConversation(
         tuple(messages), tuple(tools) if tools else None, gen_prompt, final_sep, partial
     )
-    _check_round_trip(tokenizer, parsed, text)
+    _check_round_trip(tokenizer, parsed, marked, not isinstance(ids_or_text, str))
     return parsed
 
 
@@ -377,9 +456,14 @@ def _is_tool_turn(body: str, response_open: str, response_close: str) -> bool:
     )
 
 
-def _check_round_trip(tokenizer, parsed: ParsedConversation, text: str) -> None:
+def _check_round_trip(tokenizer, parsed: ParsedConversation, marked: Marked, ids: bool) -> None:
+    """The messages render to `marked`: from ids, marks included (a control-token string that
+    was text is text of an untrusted message again, not of an assistant message, nor markup);
+    from text, which cannot tell, as text."""
+    text = marked.text if ids else marked.plain
     try:
-        again = parsed.render_text(tokenizer)
+        again = parsed.render_marked(tokenizer, marked.mark)
+        again = again.text if ids else again.plain
     except Exception as e:
         raise ConversationParseError(f"parsed messages do not render: {e}") from e
     if again != text:

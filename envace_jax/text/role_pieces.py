@@ -43,6 +43,7 @@ from envace_jax.text.chat import (
     render_text,
     split_once,
 )
+from envace_jax.text.untrusted import Marked, choose_mark, encode_marked, mark_text
 
 Ids = tuple[int, ...]
 
@@ -230,12 +231,20 @@ def tool_responses_text(tokenizer, responses: Sequence[str]) -> str:
     return between.join(responses) + lay.response_close + lay.end_of_turn
 
 
+def tool_responses_marked(tokenizer, responses: Sequence[str], mark: str | None = None) -> Marked:
+    """:func:`tool_responses_text` with the responses' control-token strings marked as text
+    (``text.untrusted``: a tool result that holds ``<|im_end|>`` cannot end its turn)."""
+    mark = mark or choose_mark(responses)
+    marked = [mark_text(tokenizer, r, mark) for r in responses]
+    return Marked(tool_responses_text(tokenizer, marked), mark)
+
+
 def tool_responses_ids(tokenizer, responses: Sequence[str]) -> list[int]:
-    """Ids of :func:`tool_responses_text`, encoded as one text: the template's ids for any
-    tokenizer (splicing ``tool_response_sep`` between separately encoded bodies is exact only
-    when no merge joins a body's last character to the newline after it, as in the demo
-    tokenizer but not in Qwen3's, where e.g. ``}\n`` is one token)."""
-    return encode(tokenizer, tool_responses_text(tokenizer, responses))
+    """Ids of :func:`tool_responses_text`, encoded as one text (the responses as text): the
+    template's ids for any tokenizer (splicing ``tool_response_sep`` between separately encoded
+    bodies is exact only when no merge joins a body's last character to the newline after it,
+    as in the demo tokenizer but not in Qwen3's, where e.g. ``}\n`` is one token)."""
+    return encode_marked(tokenizer, tool_responses_marked(tokenizer, responses))
 
 
 def prompt_ids(

@@ -21,9 +21,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from envace_jax.text.chat import chat_layout, decode, encode, render_text
+from envace_jax.text.chat import chat_layout, decode, find_markup, render_marked
 from envace_jax.text.codes import Role
-from envace_jax.text.role_pieces import role_pieces, tool_responses_text
+from envace_jax.text.role_pieces import role_pieces, tool_responses_marked
+from envace_jax.text.untrusted import Marked, encode_marked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +47,9 @@ class EncodedConversation:
         ]
 
 
-def _spans(tokenizer, messages, tools, full: str, rehearse: bool) -> list[tuple[int, int, Role]]:
-    """Character spans (start, end, role) of the generated messages in ``full``.
+def _spans(tokenizer, messages, tools, marked: Marked, rehearse: bool):
+    """Character spans (start, end, role) of the generated messages in ``marked.text`` (the
+    rendering with untrusted text marked, ``text.untrusted``).
 
     An assistant span starts where the generation prompt after the messages before it ends and
     runs through the next end-of-turn token; a tool-response span starts after the
@@ -58,9 +60,10 @@ def _spans(tokenizer, messages, tools, full: str, rehearse: bool) -> list[tuple[
     lay = chat_layout(tokenizer)
     glue = decode(tokenizer, role_pieces(tokenizer).act_to_rehearse)
     eot = lay.end_of_turn
+    full, mark = marked.text, marked.mark
 
     def prefix_end(n: int, gen: bool = False) -> int:
-        text = render_text(tokenizer, messages[:n], tools, gen)
+        text = render_marked(tokenizer, messages[:n], tools, gen, mark).text
         if not full.startswith(text):
             raise ValueError(
                 f"the rendering of messages[:{n}] is not a prefix of the whole conversation's; "
@@ -68,9 +71,8 @@ def _spans(tokenizer, messages, tools, full: str, rehearse: bool) -> list[tuple[
             )
         return len(text)
 
-    for i, m in enumerate(messages):
-        texts = [m.get("content") or ""] + [str(c) for c in m.get("tool_calls") or []]
-        if any(eot in t for t in texts if isinstance(t, str)):
+    for i, m in enumerate(messages):  # the model's own text is markup: it cannot hold one
+        if m.get("role") == "assistant" and eot in (m.get("content") or ""):
             raise ValueError(f"messages[{i}] contains the end-of-turn token {eot!r}")
 
     spans: list[tuple[int, int, Role]] = []
@@ -83,7 +85,7 @@ def _spans(tokenizer, messages, tools, full: str, rehearse: bool) -> list[tuple[
                     "messages[0]: a conversation must start with a system or user turn"
                 )
             start = prefix_end(i, gen=True)
-            end = full.find(eot, start) + len(eot)
+            end = find_markup(full, eot, start, mark) + len(eot)
             if end < len(eot):
                 raise ValueError(f"messages[{i}]: assistant turn has no end-of-turn token")
             spans.append((start, end, Role.ACT))
@@ -95,7 +97,8 @@ def _spans(tokenizer, messages, tools, full: str, rehearse: bool) -> list[tuple[
             turn = act_end if act_end is not None else prefix_end(i) - len(lay.turn_sep)
             if full[turn : turn + len(glue)] != glue:
                 raise ValueError(f"messages[{i}]: tool-response turn does not start with {glue!r}")
-            span = tool_responses_text(tokenizer, [m.get("content") or "" for m in messages[i:j]])
+            responses = [m.get("content") or "" for m in messages[i:j]]
+            span = tool_responses_marked(tokenizer, responses, mark).text
             start = turn + len(glue)
             if full[start : start + len(span)] != span:
                 raise ValueError(f"messages[{i}:{j}]: tool responses do not render as the layout")
@@ -120,22 +123,27 @@ def encode_conversation(
     its own and the concatenation must equal the template's ids).
     """
     messages = [dict(m) for m in messages]
-    full = render_text(tokenizer, messages, tools, add_generation_prompt)
-    spans = _spans(tokenizer, messages, tools, full, rehearse)
+    marked = render_marked(tokenizer, messages, tools, add_generation_prompt)
+    spans = _spans(tokenizer, messages, tools, marked, rehearse)
+    full, mark = marked.text, marked.mark
+
+    def encode(text: str) -> list[int]:
+        return encode_marked(tokenizer, Marked(text, mark)) if text else []
+
     ids, roles, segments = [], [], []
     pos = 0
     for seg, (start, end, role) in enumerate(spans, start=1):
         for text, r, s in ((full[pos:start], Role.CONTEXT, 0), (full[start:end], role, seg)):
-            piece = encode(tokenizer, text) if text else []
+            piece = encode(text)
             ids += piece
             roles += [int(r)] * len(piece)
             segments += [s] * len(piece)
         pos = end
-    tail = encode(tokenizer, full[pos:]) if pos < len(full) else []
+    tail = encode(full[pos:])
     ids += tail
     roles += [0] * len(tail)
     segments += [0] * len(tail)
-    if ids != encode(tokenizer, full):
+    if ids != encode(full):
         raise ValueError(
             "role boundaries are not token boundaries for this tokenizer: encoding the role "
             "spans separately differs from encoding the whole rendering"

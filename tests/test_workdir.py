@@ -1,0 +1,118 @@
+"""A run's directory: one job per workdir (`locks`), the kept warm start per run, a relative
+checkpoint_dir taken relative to the workdir, and SIGINT that a library swallows."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from envace_jax import interrupts
+from envace_jax.configuration import base_config
+from envace_jax.locks import LockHeld, PidLock
+from envace_jax.workdir import RunDir, run_dirs
+
+HOLD = textwrap.dedent(
+    """
+    import sys, time
+    from envace_jax.locks import PidLock
+    PidLock(sys.argv[1]).acquire()
+    print("held", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _holder(path):
+    """A process holding the lock on `path` (started, and holding, when this returns)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_held_lock_names_its_holder_and_a_killed_holders_lock_is_taken_over(tmp_path):
+    path = tmp_path / "job.lock"
+    holder = _holder(path)
+    try:
+        with pytest.raises(LockHeld) as held:
+            PidLock(str(path)).acquire()
+        assert held.value.pid == holder.pid
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+    assert path.read_text().strip() == str(holder.pid)  # SIGKILL leaves the file behind
+    with PidLock(str(path)) as lock:
+        assert lock.previous_pid == holder.pid  # the caller warns with it
+        assert path.read_text().strip() == str(os.getpid())
+    assert not path.exists()
+    with PidLock(str(path)) as lock:  # released cleanly: nothing to warn about
+        assert lock.previous_pid is None
+
+
+def _run_dir(workdir, checkpoint_dir: str) -> RunDir:
+    config = base_config()
+    config.schedule.checkpoint_dir = checkpoint_dir
+    return RunDir(config, str(workdir))
+
+
+def _files(root) -> set[str]:
+    return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
+
+
+def test_runs_whose_checkpoint_dirs_share_a_parent_keep_their_own_warm_starts(tmp_path):
+    """The kept warm start used to go to dirname(checkpoint_dir)/warm_start: runs with
+    checkpoint directories side by side displaced each other's copy."""
+    shared = tmp_path / "ckpts"
+    runs = {}
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        run = _run_dir(tmp_path / f"work_{name}", str(shared / name))
+        params = {"w": jnp.full((4,), value)}
+        run.keep_warm_start(3, params, {"sft_eval": None})
+        runs[name] = (run, params)
+    assert sorted(os.listdir(shared)) == ["a", "b"]  # no shared warm_start/ beside them
+    files = {name: _files(shared / name) for name in runs}
+    assert files["a"] and files["b"] and not files["a"] & files["b"]
+    for name, (run, params) in runs.items():
+        got = run.kept_warm_start(3, params, "test")
+        np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(params["w"]))
+        assert run_dirs(str(shared / name)) == (str(shared / name), str(shared))
+        run.close()
+
+
+def test_a_relative_checkpoint_dir_is_relative_to_the_workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a current directory that is not the workdir
+    workdir = tmp_path / "runs" / "one"
+    run = _run_dir(workdir, "ckpt")
+    run.keep_warm_start(1, {"w": jnp.zeros(2)}, {})
+    run.close()
+    assert (workdir / "ckpt" / "warm_start").is_dir()
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_swallowed_sigint_is_raised_again_at_the_next_check():
+    """Orbax's wait_until_finished catches BaseException while it joins its save thread: a
+    SIGINT that lands there is logged and dropped, and the job used to run on to its end."""
+    previous, hook = signal.getsignal(signal.SIGINT), sys.unraisablehook
+    try:
+        interrupts.install()
+        interrupts.check()  # nothing received yet
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs between bytecodes
+                pass
+        except BaseException:  # what the library does
+            pass
+        with pytest.raises(KeyboardInterrupt):
+            interrupts.check()
+        interrupts.check()  # raised once
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = hook
