@@ -24,7 +24,10 @@ WORLD = {
         {"id": "C3", "member": "M5", "account": "A7"},
         {"id": "C5", "member": "M2", "account": "A2"},
     ],
-    "accounts": [{"id": "A7", "balance": 120}, {"id": "A2", "balance": 40}],
+    "accounts": [
+        {"id": "A7", "balance": 120, "status": "active"},
+        {"id": "A2", "balance": 40, "status": "active"},
+    ],
     "orders": [
         {"id": "O23", "customer": "C3", "item": "lamp", "price": 30, "status": "open"},
         {"id": "O41", "customer": "C3", "item": "mug", "price": 12, "status": "shipped"},
