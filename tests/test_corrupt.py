@@ -1,11 +1,13 @@
 """Corrupted copies of the demo world (the sensitivity control), against the real environment:
 with corruption off they answer call for call as it does; 'redrawn' changes the statuses and
-nothing else; 'optimist' makes the changes the real world refuses, by the same rules."""
+nothing else; 'optimist' makes the changes the real world refuses, by the same rules;
+'guesser' shows the redrawn statuses and refuses nothing."""
 
 import collections
 import random
 
 from envace_jax.envs import error_code
+from envace_jax.envs.base import CORRUPTIONS
 from envace_jax.envs.demo import STATE_CHANGING, TOOL_NAMES, DemoEnv, generate_tasks
 from envace_jax.envs.demo.corrupt import CorruptedEnv, corrupted_envs, redraw
 from envace_jax.envs.registry import domain
@@ -44,15 +46,15 @@ def _all_tools(task):
     return Task.from_dict({**task.to_dict(), "tools": list(TOOL_SCHEMAS.values())})
 
 
-def test_the_domain_offers_both_corruptions():
+def test_the_domain_offers_every_corruption():
     make = domain("demo").corrupted_envs
-    for kind in ("redrawn", "optimist"):
+    for kind in CORRUPTIONS:
         assert isinstance(make(kind, 1.0, 0)(), CorruptedEnv)
 
 
 def test_corruption_off_is_the_real_world_call_for_call():
     rng = random.Random(0)
-    for kind in ("redrawn", "optimist"):
+    for kind in CORRUPTIONS:
         make = corrupted_envs(kind, 0.0, seed=3)
         for task in TASKS[:100]:
             task = _all_tools(task)
@@ -137,3 +139,22 @@ def test_optimist_never_refuses_a_change_and_keeps_the_rules_of_its_effects():
 
 def _success_of(name):
     return {"cancel_order": ("id", "status", "balance"), "transfer": ("from", "balance")}[name]
+
+
+def test_guesser_shows_the_redrawn_statuses_and_refuses_nothing():
+    """A guesser's hidden-task lookups show what the redrawn world (same draws) shows, a
+    visible task's lookups show the real world, and no change is refused in either."""
+    guess, redrawn = corrupted_envs("guesser", 1.0, seed=4), corrupted_envs("redrawn", 1.0, seed=4)
+    refused_by_redrawn = 0
+    for task in TASKS[:200]:
+        gt = task.ground_truth
+        g, r, real = guess(), redrawn(), DemoEnv()
+        for env in (g, r, real):
+            env.reset(task)
+        lookups = [c for c in gt["solution"] if c["name"] not in STATE_CHANGING]
+        same_as = r if task.metadata["stratum"] == "hidden" else real
+        assert g.step(lookups) == same_as.step(lookups), task.task_id
+        (result,), (theirs,) = g.step([gt["default_call"]]), r.step([gt["default_call"]])
+        assert error_code(result) is None and g.state()["refused"] == [], task.task_id
+        refused_by_redrawn += error_code(theirs) is not None
+    assert refused_by_redrawn > 50

@@ -34,8 +34,9 @@ BAD_OBSERVATION = "bad_observation"  # a rehearsed response is not a JSON object
 CALL_ERROR_CODES = frozenset({UNKNOWN_TOOL, BAD_ARGS, BAD_CALL, BAD_OBSERVATION})
 # Ways a domain can corrupt a copy of its world for the sensitivity control (mode
 # 'corrupted_world'): 'redrawn' redraws the hidden state a task depends on from its
-# distribution over tasks; 'optimist' answers every change it would refuse as a success.
-CORRUPTIONS = ("redrawn", "optimist")
+# distribution over tasks; 'optimist' answers every change it would refuse as a success;
+# 'guesser' does both, as a simulator that guesses what it cannot know and agrees to anything.
+CORRUPTIONS = ("redrawn", "optimist", "guesser")
 
 
 def tool_error(code: str, message: str) -> ToolResult:

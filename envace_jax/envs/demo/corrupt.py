@@ -13,6 +13,10 @@ wrong one; without it, "world rehearsal learns as much as the real environment" 
   rehearser can do that reads everything the context shows and guesses the rest.
 * ``optimist``: the world is the task's, but it never refuses a change it has the entities for
   (`tools.execute(strict=False)`): a wrong branch's change answers like a success.
+* ``guesser``: both, as a simulator that guesses the state it cannot read and agrees to every
+  change. A `redrawn` world stays consistent: it refuses the changes its own lookups rule out,
+  so the reward, which wants the task's true change, still pays for following the lookup
+  whenever the guess is right. A guesser's lookups predict nothing the reward pays for.
 
 Each episode is corrupted with probability `rate` (0 gives the real world, call for call).
 """
@@ -56,13 +60,13 @@ class CorruptedEnv(DemoEnv):
             raise ValueError(f"corruption {kind!r}: expected one of {CORRUPTIONS}")
         super().__init__()
         self.kind, self.corrupt, self._rng = kind, corrupt, rng
-        self.strict = not (corrupt and kind == "optimist")
+        self.strict = not (corrupt and kind in ("optimist", "guesser"))
 
     def reset(self, task: Any) -> None:
         super().reset(task)
         metadata = task.get("metadata", {}) if isinstance(task, dict) else task.metadata
         hidden = metadata.get("stratum") == "hidden"
-        if self.corrupt and self.kind == "redrawn" and hidden:
+        if self.corrupt and self.kind in ("redrawn", "guesser") and hidden:
             self._world = redraw(self._world, self._rng)
 
 
