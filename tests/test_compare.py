@@ -112,6 +112,31 @@ def test_sensitivity_bars_against_hand_computed_numbers():
     assert d == pytest.approx(0.3) and se == pytest.approx(0.0) and met
 
 
+def test_stability_command_line_shares_compare_flags():
+    """The study imports compare; each flag is defined once, so it reaches its own checks."""
+    out = subprocess.run(
+        [sys.executable, "-m", "envace_jax.experiments.stability"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert "--workdir is required" in out.stderr, out.stderr[-2000:]
+    assert "DuplicateFlagError" not in out.stderr
+
+
+def test_stability_holds_against_hand_made_curves():
+    from envace_jax.experiments import stability
+
+    def curve(*points):
+        return [(4 * i, {"success": v, "stratum_success/hidden": v}) for i, v in enumerate(points)]
+
+    # The warm start (step 0) is not a point of the run: a drop from it does not count.
+    assert stability.holds(curve(0.9, 0.80, 0.85, 0.84)) == (0.84, 0.85, True)
+    assert stability.holds(curve(0.5, 0.90, 0.87, 0.85)) == (0.85, 0.90, False)
+    text = stability.report({("grpo_real_env", 1): curve(0.5, 0.9, 0.85)}, 8, 4)
+    assert "| grpo_real_env | 1 | 0: 0.500, 4: 0.900, 8: 0.850 |" in text and "| no |" in text
+
+
 @pytest.mark.slow
 def test_compare_end_to_end_on_the_smoke_config(tmp_path):
     """One seed of every arm on the smoke config: the table, CSV and plot are written, and a

@@ -26,15 +26,11 @@ from envace_jax.metrics import read_metrics
 TOLERANCE = 0.02  # a run holds when its last evaluation is at most this far below its best
 SCORE = "success"  # greedy success: a curve point costs one execution per task
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (curves and per-run workdirs).")
-_CONFIG = flags.DEFINE_string("config", compare._REPO_CONFIG, "Base config (`path.py[:variant]`).")
-_MODES = flags.DEFINE_list("modes", ["grpo_real_env", "envace_grounded"], "Arms to follow.")
-_SEEDS = flags.DEFINE_list("seeds", list(compare.SEEDS), "Seeds of every arm.")
+# --workdir, --config, --seeds, --modes and --set are compare's flags (one definition each);
+# --modes defaults here to the two arms whose curves the study follows.
+MODES = ("grpo_real_env", "envace_grounded")
 _STEPS = flags.DEFINE_integer("rl_steps", 12, "RL steps of every run.")
 _EVERY = flags.DEFINE_integer("eval_every", 4, "RL steps between test evaluations.")
-_SET = flags.DEFINE_multi_string(
-    "set", [], "Override for every run, e.g. optim.learning_rate=1e-4."
-)
 
 
 def _evals(workdir: str) -> list[tuple[int, dict]]:
@@ -116,9 +112,10 @@ def plot(path: str, found, modes) -> None:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if not _WORKDIR.value:
+    if not compare._WORKDIR.value:
         raise app.UsageError("--workdir is required")
-    root = os.path.abspath(_WORKDIR.value)
+    modes = list(compare._MODES.value if flags.FLAGS["modes"].present else MODES)
+    root = os.path.abspath(compare._WORKDIR.value)
     os.makedirs(root, exist_ok=True)
     logging.set_verbosity(logging.WARNING)
     import jax
@@ -126,27 +123,27 @@ def main(argv):
     jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     try:
-        seeds = [int(s) for s in _SEEDS.value]
-        base = compare.load_config(_CONFIG.value)
+        seeds = [int(s) for s in compare._SEEDS.value]
+        base = compare.load_config(compare._CONFIG.value)
         overrides = {
             **compare.BUDGETS["full"],
             **compare._COMMON,
             "schedule.rl_steps": _STEPS.value,
             "schedule.eval_every": _EVERY.value,
-            **compare.parse_overrides(_SET.value),
+            **compare.parse_overrides(compare._SET.value),
         }
-        for arm in _MODES.value:
+        for arm in modes:
             compare.run_config(base, overrides, arm, 0, "")
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     t0 = time.time()
-    compare.run_all(base, overrides, root, seeds, ("sft_only", *_MODES.value))
-    found = curves(root, _MODES.value, seeds)
+    compare.run_all(base, overrides, root, seeds, ("sft_only", *modes))
+    found = curves(root, modes, seeds)
     text = report(found, _STEPS.value, _EVERY.value)
     with open(os.path.join(root, "stability.md"), "w") as f:
         f.write(text)
-    plot(os.path.join(root, "stability.png"), found, _MODES.value)
+    plot(os.path.join(root, "stability.png"), found, modes)
     print("\n" + text)
     print(f"wrote {root}/stability.md, stability.png ({(time.time() - t0) / 60:.1f} min)")
 
