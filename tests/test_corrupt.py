@@ -1,7 +1,7 @@
 """Corrupted copies of the demo world (the sensitivity control), against the real environment:
 with corruption off they answer call for call as it does; 'redrawn' changes the statuses and
 nothing else; 'optimist' makes the changes the real world refuses, by the same rules;
-'guesser' shows the redrawn statuses and refuses nothing."""
+'guesser' shows the redrawn statuses and refuses nothing; 'blind' redraws every task's."""
 
 import collections
 import random
@@ -158,3 +158,18 @@ def test_guesser_shows_the_redrawn_statuses_and_refuses_nothing():
         assert error_code(result) is None and g.state()["refused"] == [], task.task_id
         refused_by_redrawn += error_code(theirs) is not None
     assert refused_by_redrawn > 50
+
+
+def test_blind_redraws_visible_tasks_too():
+    """A blind world redraws the statuses of every task, including those the prompt shows,
+    by the same draws as a redrawn world makes for a hidden task."""
+    blind = corrupted_envs("blind", 1.0, seed=6)
+    changed = visible = 0
+    for task in TASKS[:200]:
+        env, real = blind(), DemoEnv()
+        env.reset(task)
+        real.reset(task)
+        if task.metadata["stratum"] == "visible":
+            visible += 1
+            changed += env.state() != real.state()
+    assert changed > 0.8 * visible

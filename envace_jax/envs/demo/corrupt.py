@@ -17,6 +17,8 @@ wrong one; without it, "world rehearsal learns as much as the real environment" 
   change. A `redrawn` world stays consistent: it refuses the changes its own lookups rule out,
   so the reward, which wants the task's true change, still pays for following the lookup
   whenever the guess is right. A guesser's lookups predict nothing the reward pays for.
+* ``blind``: ``redrawn`` in every task, the visible stratum's included: a simulator that reads
+  nothing of the context, whose lookups and refusals contradict the statuses the prompt shows.
 
 Each episode is corrupted with probability `rate` (0 gives the real world, call for call).
 """
@@ -66,7 +68,8 @@ class CorruptedEnv(DemoEnv):
         super().reset(task)
         metadata = task.get("metadata", {}) if isinstance(task, dict) else task.metadata
         hidden = metadata.get("stratum") == "hidden"
-        if self.corrupt and self.kind in ("redrawn", "guesser") and hidden:
+        redraws = self.kind == "blind" or (self.kind in ("redrawn", "guesser") and hidden)
+        if self.corrupt and redraws:
             self._world = redraw(self._world, self._rng)
 
 
