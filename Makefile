@@ -28,18 +28,19 @@ $(VENV)/.test: $(VENV)/.base
 demo: $(VENV)/.base
 	$(PY) -m envace_jax.main --config configs/demo.py --workdir $(WORKDIR)
 
-# Rebuilds the shipped demo base policy (envace_jax/models/demo_base): ~55 minutes on 2 cores.
-# The shipped demo bases: a long warm start from random init (shipped in bfloat16), then two
-# continuations that add the grounded rehearsal view's simulator rows (400 steps, then 800),
-# shipped as demo-base-simulator.
+# Rebuilds the shipped demo base policies (envace_jax/models/demo_base*): ~90 minutes on 2
+# cores. A long warm start from random init (shipped as demo-base, bfloat16), then two
+# continuations with the grounded rehearsal view's simulator rows: 400 steps on them alone, then
+# 800 with a quarter of the rows simulator rows and three quarters tool-use demonstrations, so
+# the next action follows the status a lookup shows (shipped as demo-base-simulator).
 demo-base: $(VENV)/.base
 	$(PY) -m envace_jax.main --config configs/demo.py:base --workdir workdir/demo_base
 	$(PY) scripts/ship_demo_base.py workdir/demo_base/export
 	$(PY) -m envace_jax.main --config configs/demo.py:base_simulator --workdir workdir/demo_base_sim1 \
-		--config.model.hf_path=demo-base --config.schedule.sft_steps=400 --config.sft_optim.warmup_steps=20 \
-		--config.sft_optim.decay_steps=380
+		--config.model.hf_path=demo-base --config.schedule.sft_steps=400 --config.sft_optim.warmup_steps=10 \
+		--config.sft_optim.decay_steps=390
 	$(PY) -m envace_jax.main --config configs/demo.py:base_simulator --workdir workdir/demo_base_sim2 \
-		--config.model.hf_path=workdir/demo_base_sim1/export
+		--config.model.hf_path=workdir/demo_base_sim1/export --config.data.simulator_demos=0.25
 	$(PY) scripts/ship_demo_base.py workdir/demo_base_sim2/export \
 		--out envace_jax/models/demo_base_simulator
 

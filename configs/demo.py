@@ -32,7 +32,6 @@ def demo():
     the shipped base that learned to copy them (`base_simulator`). A quarter of the training
     tasks keep that prompt in the warm start, so the simulator skill survives it."""
     config = shared()
-    config.model.hf_path = "demo-base-simulator"
     config.rollout.rehearsal_view = "grounded"
     config.data.simulator_demos = 0.25
     return config
@@ -40,11 +39,13 @@ def demo():
 
 def shared():
     """EnvACE in the shared view (the paper's formulation: both roles write one sequence), from
-    the shipped demo base (`base` below, envace_jax/models/demo_base) after a brief continuation
-    of its warm start: from random init the policy needs ~1,500 steps before it copies ids from
-    its context, three times this job's time budget. The demo job's settings come from here."""
+    the shipped demo base (`base_simulator` below, envace_jax/models/demo_base_simulator) after
+    a brief continuation of its warm start: from random init the policy needs ~1,500 steps
+    before it copies ids from its context, and more before its next action follows the status
+    a lookup shows, several times this job's time budget. The demo job's settings come from
+    here."""
     config = base_config()
-    config.model.hf_path = "demo-base"
+    config.model.hf_path = "demo-base-simulator"
     # RL from a trained base at 3e-4: at the reference's 1e-4 sixteen steps leave the policy
     # where it is (gradient norm ~0.01 under Adam), and 1e-3 breaks its message format within
     # 8 steps. A short warmup keeps Adam's first, sign-like update from taking a full step on

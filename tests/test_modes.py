@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from envace_jax import configuration
-from envace_jax.configuration import validate
+from envace_jax.configuration import base_config, validate
 from envace_jax.envs.base import result_text
 from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks
 from envace_jax.models.config import ModelConfig
@@ -350,20 +350,26 @@ def test_warm_start_from_another_config_is_refused(warm_start, tmp_path):
         Trainer(config, str(tmp_path / "c")).run()
 
 
-@pytest.mark.slow  # two RL runs from the fixture's warm start
-def test_a_corrupted_world_with_corruption_off_is_grpo_in_the_real_environment(
-    warm_start, tmp_path
-):
+@pytest.mark.slow  # two short jobs from the shipped base
+def test_a_corrupted_world_with_corruption_off_is_grpo_in_the_real_environment(tmp_path):
     """The sensitivity control's arm with `corruption_rate` 0 samples, judges and trains exactly
     what real-environment GRPO does (bit for bit), but counts its calls as simulator calls: RL
     makes no environment call."""
     from envace_jax.trainer import Hooks, Trainer
 
     finals = {}
+    # The shipped base makes tool calls (a tiny random policy may make none); each run makes the
+    # same 4-step warm start from it.
+    calls = {
+        "model.preset": base_config().model.preset,
+        "model.hf_path": "demo-base",
+        "rollout.max_new_tokens": 256,
+        "rollout.max_message_tokens": base_config().rollout.max_message_tokens,
+    }
     for mode in ("grpo_real_env", "corrupted_world"):
         hooks = Hooks(on_finish=lambda state, mode=mode: finals.setdefault(mode, state))
         overrides = {"rollout.corruption_rate": 0.0} if mode == "corrupted_world" else {}
-        Trainer(smoke(mode, warm_start, **overrides), str(tmp_path / mode), hooks).run()
+        Trainer(smoke(mode, **calls, **overrides), str(tmp_path / mode), hooks).run()
     assert _max_change(finals["corrupted_world"].params, finals["grpo_real_env"].params) == 0.0
     rows = {
         mode: [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]

@@ -92,7 +92,11 @@ def test_outputs_and_hf_export(uninterrupted):
     headline |= {"tool_error_rate", "invalid_rate", "fidelity"}
     families = {k for k in out["final"] if k.startswith("success/")}
     families_avg4 = {k for k in out["final"] if k.startswith("success_avg4/")}
-    assert set(out["final"]) == headline | families | families_avg4 and families
+    strata = {k for k in out["final"] if k.startswith("stratum_success")}
+    assert strata and strata <= {
+        f"stratum_success{a}/{s}" for a in ("", "_avg4") for s in ("hidden", "visible")
+    }
+    assert set(out["final"]) == headline | families | families_avg4 | strata and families
     summary_json = json.loads((workdir / "summary.json").read_text())
     for name, ev in (("warm_start", out["sft"]), ("final", out["final"])):
         assert summary_json[name]["success_greedy"] == ev["success"]

@@ -58,7 +58,7 @@ SEEDS = ("0", "1", "2")
 # claims).
 BUDGETS: dict[str, dict[str, Any]] = {
     "full": {
-        "data.eval_tasks": 256,
+        "data.eval_tasks": 64,
         "eval.fidelity_tasks": 16,
     },
     "quick": {

@@ -4,9 +4,11 @@
 (`configs/demo.py:base`, about 55 minutes on a 2-core CPU), stored in bfloat16 (~2 MB). A policy
 trained from scratch learns the format of its messages within a few hundred steps but only
 starts to copy ids and amounts from its context after ~1,500 steps; starting from this base
-lets the default demo job fit its time budget. `demo-base-simulator` is that base continued for
-1,200 steps with the grounded rehearsal view's simulator rows (`configs/demo.py:base_simulator`):
-it copies a logged tool response when one matches the call. `make demo-base` rebuilds both.
+lets the default demo job fit its time budget. `demo-base-simulator` is that base continued
+for 1,200 steps with the grounded rehearsal view's simulator rows
+(`configs/demo.py:base_simulator`): it copies a logged tool response when one matches the
+call, and its next action follows the status a lookup shows. It is the demo jobs' base;
+`demo-base` remains a policy that makes tool calls for the tests. `make demo-base` rebuilds both.
 """
 
 from __future__ import annotations
