@@ -42,6 +42,22 @@ CHAIN = ["Paris", '"}}', "</tool_call>", "<|im_end|>"]
 EXPECTED_ARGUMENTS = {"city": "Paris"}
 
 
+MODEL = "tiny-qwen3"  # the name export_test_model serves under
+
+
+def chat(content, **kw):
+    """A chat-completions body with one user message."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def error_of(resp, status):
+    """The OpenAI-shaped error of `resp`, which must have `status`."""
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
 def single_id(tokenizer, piece: str) -> int:
     ids = tokenizer.encode(piece, add_special_tokens=False)
     assert len(ids) == 1, f"{piece!r} is {len(ids)} tokens in this tokenizer"

@@ -22,10 +22,18 @@ from unittest import mock
 import httpx
 import pytest
 
-from tests.serve_helpers import REPO, TOOL, export_test_model, port_file_path, running_server
+from tests.serve_helpers import (
+    MODEL,
+    REPO,
+    TOOL,
+    chat,
+    error_of,
+    export_test_model,
+    port_file_path,
+    running_server,
+)
 
 KEY = "hostile-key-7"
-MODEL = "tiny-qwen3"
 MAX_LEN = 8192
 FILES = 300  # the server's open-files limit (soft and hard)
 TIMEOUT_S = 3  # the server's head and body timeouts here (10 s and 60 s by default)
@@ -61,17 +69,6 @@ def http(server):
         base_url=server[0], headers={"Authorization": f"Bearer {KEY}"}, timeout=300
     ) as c:
         yield c
-
-
-def chat(content, **kw):
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
-
-
-def error_of(resp, status):
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    return err
 
 
 def log_size(port_file) -> int:

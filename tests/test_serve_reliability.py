@@ -15,10 +15,9 @@ from unittest import mock
 import httpx
 import pytest
 
-from tests.serve_helpers import TOOL, export_test_model, running_server
+from tests.serve_helpers import MODEL, TOOL, chat, error_of, export_test_model, running_server
 
 KEY = "reliability-key-42"
-MODEL = "tiny-qwen3"
 MAX_LEN = 8192  # a long context: a hung-up request still has seconds of budget left
 
 
@@ -51,17 +50,6 @@ def server_log(model_dir) -> str:
 
 def engine_stats(http) -> dict:
     return http.get("/health").json()["engine"]
-
-
-def chat(content, **kw):
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
-
-
-def error_of(resp, status):
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    return err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -50,9 +50,10 @@ def _call_json(reply: str) -> str:
     return reply[start + len(CALL_OPEN) :].lstrip() if start >= 0 else reply
 
 
-def json_end(text: str) -> int | None:
-    """Where the first JSON object of `text` (its first `{`) ends, or None while it is open."""
-    depth, in_string, escaped = 0, False, False
+def _outside_strings(text: str, end: list[bool]):
+    """(index, character) of each character of `text` outside JSON strings, their quotes
+    excluded; `end` becomes [in a string, after a backslash] when the scan reaches the end."""
+    in_string = escaped = False
     for i, c in enumerate(text):
         if in_string:
             if escaped:
@@ -63,7 +64,16 @@ def json_end(text: str) -> int | None:
                 in_string = False
         elif c == '"':
             in_string = True
-        elif c in "{[":
+        else:
+            yield i, c
+    end[:] = [in_string, escaped]
+
+
+def json_end(text: str) -> int | None:
+    """Where the first JSON object of `text` (its first `{`) ends, or None while it is open."""
+    depth = 0
+    for i, c in _outside_strings(text, []):
+        if c in "{[":
             depth += 1
         elif c in "}]":
             depth -= 1
@@ -76,21 +86,13 @@ def close_json(text: str) -> str | None:
     """`text`, the start of a JSON value cut short, closed into a whole one: an open string is
     closed, a key without a value or a trailing comma dropped, open arrays and objects closed.
     None if that does not give JSON."""
-    stack, in_string, escaped = [], False, False
-    for c in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
+    stack, end = [], []
+    for _, c in _outside_strings(text, end):
+        if c in "{[":
             stack.append("}" if c == "{" else "]")
         elif c in "}]" and stack:
             stack.pop()
+    in_string, escaped = end
     out = text[:-1] if escaped else text
     if in_string:
         out += '"'
