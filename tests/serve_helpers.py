@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +49,11 @@ MODEL = "tiny-qwen3"  # the name export_test_model serves under
 def chat(content, **kw):
     """A chat-completions body with one user message."""
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def client(url: str, key: str) -> httpx.Client:
+    """An HTTP client of the server at `url` that sends `key`, patient with slow CPU replies."""
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=300)
 
 
 def error_of(resp, status):

@@ -27,6 +27,7 @@ from tests.serve_helpers import (
     REPO,
     TOOL,
     chat,
+    client,
     error_of,
     export_test_model,
     port_file_path,
@@ -65,9 +66,7 @@ def server(model_dir):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(
-        base_url=server[0], headers={"Authorization": f"Bearer {KEY}"}, timeout=300
-    ) as c:
+    with client(server[0], KEY) as c:
         yield c
 
 

@@ -15,7 +15,15 @@ from unittest import mock
 import httpx
 import pytest
 
-from tests.serve_helpers import MODEL, TOOL, chat, error_of, export_test_model, running_server
+from tests.serve_helpers import (
+    MODEL,
+    TOOL,
+    chat,
+    client,
+    error_of,
+    export_test_model,
+    running_server,
+)
 
 KEY = "reliability-key-42"
 MAX_LEN = 8192  # a long context: a hung-up request still has seconds of budget left
@@ -38,9 +46,7 @@ def server(model_dir):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(
-        base_url=server[0], headers={"Authorization": f"Bearer {KEY}"}, timeout=300
-    ) as c:
+    with client(server[0], KEY) as c:
         yield c
 
 
