@@ -42,6 +42,11 @@ def install() -> None:
     sys.unraisablehook = unraisable
 
 
+def received() -> bool:
+    """Whether a SIGINT came since `install()` that `check()` has not raised again."""
+    return _received
+
+
 def check() -> None:
     """Raises KeyboardInterrupt if a SIGINT came since `install()` or the last raise (a no-op
     otherwise)."""

@@ -153,6 +153,9 @@ def _lock_workdir(workdir: str, process: int) -> PidLock:
     return lock
 
 
+_INTERRUPTED = "interrupted (SIGINT); run the same command again to resume"
+
+
 def _stop(message, status: int, lock: PidLock | None) -> None:
     """Exit with one line, skipping the interpreter's teardown: there, each write Orbax
     abandoned is reported again (to a closed log file, or as a coroutine never awaited), and
@@ -191,8 +194,15 @@ def main(argv):
         lock = _lock_workdir(workdir, parallel.process_id_from_env())
         _run(config, workdir, lock)
     except KeyboardInterrupt:
-        _stop("interrupted (SIGINT); run the same command again to resume", 130, lock)
-    except OSError as e:  # e.g. a workdir made read-only or removed mid-run
+        _stop(_INTERRUPTED, 130, lock)
+    except Exception as e:
+        # A SIGINT that surfaced as another error: an import it cut short fails as ImportError.
+        if interrupts.received():
+            logging.info("the job stopped on an interrupt", exc_info=e)  # job.INFO only
+            _stop(_INTERRUPTED, 130, lock)
+        if not isinstance(e, OSError):
+            raise
+        # An OS error: e.g. a workdir made read-only or removed mid-run.
         logging.info("the job stopped on an OS error", exc_info=e)  # job.INFO only
         where = f": {e.filename}" if e.filename else ""
         log = os.path.join(workdir, "job.INFO")

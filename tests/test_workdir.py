@@ -116,3 +116,45 @@ def test_a_swallowed_sigint_is_raised_again_at_the_next_check():
     finally:
         signal.signal(signal.SIGINT, previous)
         sys.unraisablehook = hook
+
+
+CUT_IMPORT = textwrap.dedent(
+    """
+    import os, signal, sys
+    from absl import flags, logging
+    from envace_jax import main
+
+    def cut_short(config, workdir, lock):  # a SIGINT inside an import fails it as ImportError
+        logging.get_absl_handler().use_absl_log_file("job", workdir)  # as the job does first
+        flags.FLAGS.stderrthreshold = "warning"
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs between bytecodes
+                pass
+        except KeyboardInterrupt as e:
+            raise ImportError("initialization failed") from e
+
+    main._run = cut_short
+    sys.argv = ["main", "--config", "configs/demo.py:smoke", "--workdir", sys.argv[1]]
+    main.cli()
+    """
+)
+
+
+def test_a_sigint_that_surfaces_as_another_error_is_still_an_interrupt(tmp_path):
+    """A SIGINT that lands while a module initialises turns into an ImportError: the job still
+    exits 130 with its one line, and the traceback goes to the log only."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", CUT_IMPORT, str(tmp_path / "w")],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        timeout=300,
+    )
+    assert out.returncode == 130, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: interrupted (SIGINT); run the same command again to resume"
+    )
+    assert "ImportError: initialization failed" in (tmp_path / "w" / "job.INFO").read_text()
