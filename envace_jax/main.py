@@ -161,7 +161,8 @@ def _stop(message, status: int, lock: PidLock | None) -> None:
     abandoned is reported again (to a closed log file, or as a coroutine never awaited), and
     an interrupt that reaches it makes the status -SIGINT. A save left unfinished is never
     listed, and removed at the next run's first save."""
-    warnings.filterwarnings("ignore", "coroutine 'async_serialize_from_host", RuntimeWarning)
+    warnings.filterwarnings("ignore", "coroutine '.*' was never awaited", RuntimeWarning)
+    warnings.simplefilter("ignore", ResourceWarning)  # an abandoned save's unclosed handles
     gc.collect()
     if lock is not None:
         lock.release()  # atexit handlers do not run after os._exit
@@ -206,7 +207,8 @@ def main(argv):
         logging.info("the job stopped on an OS error", exc_info=e)  # job.INFO only
         where = f": {e.filename}" if e.filename else ""
         log = os.path.join(workdir, "job.INFO")
-        _fail(f"{e.strerror or e}{where} (errno {e.errno}); the traceback is in {log}", 1)
+        # Without the teardown: there, the saves Orbax abandoned print their own warnings.
+        _stop(f"{e.strerror or e}{where} (errno {e.errno}); the traceback is in {log}", 1, lock)
 
 
 def _run(config, workdir: str, lock: PidLock) -> None:

@@ -281,8 +281,9 @@ def test_a_workdir_made_read_only_mid_run_stops_with_one_line(tmp_path):
         for d, _, _ in os.walk(workdir):
             os.chmod(d, 0o755)
     assert job.returncode == 1 and "Traceback" not in err, err[-6000:]
-    (line,) = _messages(err)
-    assert line.startswith("error: ") and "Permission denied" in line, line
+    messages = _messages(err)
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("error: ") and "Permission denied" in messages[0], messages
 
 
 @pytest.mark.slow
