@@ -53,6 +53,16 @@ def redraw(world: World, rng: random.Random) -> World:
     return out
 
 
+# Each corruption: the stratum whose statuses it redraws ('all', or None for none), and whether
+# it refuses the changes its own state rules out.
+_KINDS = {
+    "redrawn": ("hidden", True),
+    "optimist": (None, False),
+    "guesser": ("hidden", False),
+    "blind": ("all", True),
+}
+
+
 class CorruptedEnv(DemoEnv):
     """The demo environment on a corrupted copy of each task's world (`kind`), or on the real
     one when `corrupt` is False."""
@@ -62,14 +72,13 @@ class CorruptedEnv(DemoEnv):
             raise ValueError(f"corruption {kind!r}: expected one of {CORRUPTIONS}")
         super().__init__()
         self.kind, self.corrupt, self._rng = kind, corrupt, rng
-        self.strict = not (corrupt and kind in ("optimist", "guesser"))
+        self.redraws, refuses = _KINDS[kind]
+        self.strict = refuses or not corrupt
 
     def reset(self, task: Any) -> None:
         super().reset(task)
         metadata = task.get("metadata", {}) if isinstance(task, dict) else task.metadata
-        hidden = metadata.get("stratum") == "hidden"
-        redraws = self.kind == "blind" or (self.kind in ("redrawn", "guesser") and hidden)
-        if self.corrupt and redraws:
+        if self.corrupt and self.redraws and self.redraws in ("all", metadata.get("stratum")):
             self._world = redraw(self._world, self._rng)
 
 
