@@ -17,6 +17,8 @@ setup(
             "text/demo_tokenizer/*",
             "models/demo_base/*",
             "models/demo_base_simulator/*",
+            "data/samples/*.parquet",
+            "data/samples/*.jsonl",
         ]
     },
     install_requires=[
@@ -35,6 +37,8 @@ setup(
         "numpy>=1.26,<3",
         "tensorboardX>=2.6,<3",  # TensorBoard event files without TensorFlow
         "matplotlib>=3.8,<4",  # training-curve and comparison plots
+        "pyarrow>=14,<27",  # parquet task files
+        "etils[epath]>=1.5,<2",  # task files on local disks and gs://
     ],
     extras_require={
         "serve": [

@@ -78,3 +78,8 @@ def test_train_step_formulations_agree(tmp_path):
 def test_checkpoint(tmp_path):
     got = run("checkpoint", "--mib", "4", "--leaves", "4", tmp_path=tmp_path)
     assert 0 < got["save_blocks_s"] <= got["save_s"] and got["restore_s"] > 0
+
+
+def test_task_files_memory(tmp_path):
+    got = run("task_files", "--tasks", "200", "--mb", "3", tmp_path=tmp_path)
+    assert got["under_1gb"]

@@ -210,9 +210,13 @@ def test_strict_jsonl_lists_every_bad_record_with_file_record_and_field(tmp_path
     msg = str(e.value)
     assert f"{path}: 7 of 9 records are invalid" in msg
     for i, fragment in EXPECTED_REJECTS.items():
-        line = next(ln for ln in msg.splitlines() if ln.startswith(f"{path}: record {i}: "))
+        # Each line names the record's task id when it has one (record 4 is not JSON at all;
+        # record 6 reuses task-0's id).
+        label = f"record {i}" if i == 4 else f"record {i} (task 'task-{0 if i == 6 else i}')"
+        line = next(ln for ln in msg.splitlines() if ln.startswith(f"{path}: {label}: "))
         assert fragment in line, (i, line)
-    assert f'{path}: record 7: checklist[0][2].weight: expected a number >= 0, got "high"' in msg
+    expected = f"{path}: record 7 (task 'task-7'): checklist[0][2].weight: expected a number >= 0"
+    assert expected + ', got "high"' in msg
     assert [i for i, _ in e.value.rejected] == sorted(EXPECTED_REJECTS)
 
 
@@ -238,7 +242,8 @@ def test_json_list_file_and_writer_round_trip(tmp_path):
     bad[1]["checklist"][0][0]["weight"] = None
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(
-        TaskFileError, match=r"bad\.json: record 1: checklist\[0\]\[0\]\.weight: miss"
+        TaskFileError,
+        match=r"bad\.json: record 1 \(task 'task-1'\): checklist\[0\]\[0\]\.weight: miss",
     ):
         load_tasks(tmp_path / "bad.json")
     (tmp_path / "broken.json").write_text("[{")

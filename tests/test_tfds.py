@@ -108,7 +108,8 @@ def test_manual_dir_and_invalid_files(tmp_path):
     bad[1]["checklist"][0][0]["weight"] = "high"
     (tmp_path / "bad.jsonl").write_text("\n".join(json.dumps(r) for r in bad))
     cfg = TaskFileConfig(name="bad", files={"train": [str(tmp_path / "bad.jsonl")]})
-    with pytest.raises(ValueError, match=r"bad\.jsonl: record 1: checklist\[0\]\[0\]\.weight"):
+    bad_weight = r"bad\.jsonl: record 1 \(task 'task-1'\): checklist\[0\]\[0\]\.weight"
+    with pytest.raises(ValueError, match=bad_weight):
         TaskFileDataset(config=cfg, data_dir=tmp_path / "tfds").download_and_prepare()
     cfg = TaskFileConfig(
         name="lenient", files={"train": [str(tmp_path / "bad.jsonl")]}, strict=False

@@ -7,12 +7,20 @@ Three record layouts are recognised, per record:
 * the reference training layout (verl parquet rows): top-level `messages` (the opening chat),
   `data_source`, and `extra_info` (a struct or a JSON string) holding `original_index` (the
   task id), `index`, `tools` (a list or a JSON string), `messages` (the full reference
-  conversation) and `interaction_kwargs.checklist_list` ([checklist][turn][item]);
+  conversation) and `interaction_kwargs.checklist_list` ([checklist][turn][item]). Any of the
+  nested values (the top-level `messages` too) may be a JSON string. Files written by
+  `envace_jax.data.export` add `extra_info.ground_truth`, `extra_info.task_metadata` (the
+  task's own `metadata`, taken as it is: the layout's bookkeeping, `data_source`,
+  `extra_info.index` and `interaction_kwargs.name`, is then not copied into it) and, where a
+  parquet `messages` column of {role, content} structs cannot hold the opening chat exactly,
+  `extra_info.opening_messages` (which then is the opening chat);
 * the annotation layout the reference data is converted from: `uuid`, `messages` (the full
   conversation), `tools`, `checklists` ([checklist][turn][item]).
 
-Errors name the file, the record index and the field path in the record's own layout, e.g.
-`tasks.jsonl: record 7: checklist[0][2].weight: expected a number >= 0, got "high"`.
+Errors name the file, the record index, the task id when the record has a usable one, and the
+field path in the record's own layout, e.g.
+`tasks.jsonl: record 7 (task 'abc-12'): checklist[0][2].weight: expected a number >= 0, got
+"high"`.
 Strict mode raises `TaskFileError` listing every bad record; lenient mode skips them but
 returns each with its reason in `LoadReport.rejected` and logs the count.
 
@@ -35,7 +43,7 @@ import numpy as np
 
 from envace_jax.data.checklists import DEFAULT_WEIGHT_TOLERANCE
 from envace_jax.data.tasks import Task, parse_task
-from envace_jax.data.validation import Errors, lone_surrogate_path
+from envace_jax.data.validation import LONE_SURROGATE, Errors, lone_surrogate_path
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +109,11 @@ def _from_reference(rec: Mapping[str, Any], err: Errors) -> tuple[dict, dict[str
         return {}, {}
     extra = dict(extra)
     paths = {"messages": "messages"}
-    out: dict[str, Any] = {"messages": rec.get("messages")}
+    out: dict[str, Any] = {"messages": _maybe_json(rec.get("messages"), "messages", err)}
+    if "opening_messages" in extra:  # export's exact opening chat, where `messages` is lossy
+        opening = extra.pop("opening_messages")
+        out["messages"] = _maybe_json(opening, "extra_info.opening_messages", err)
+        paths["messages"] = "extra_info.opening_messages"
     for key in ("original_index", "uuid", "index"):
         if extra.get(key) is not None:
             out["task_id"] = extra.pop(key) if key != "index" else extra[key]
@@ -130,14 +142,33 @@ def _from_reference(rec: Mapping[str, Any], err: Errors) -> tuple[dict, dict[str
     paths["checklist"] = f"{base}[0]"
     paths.update({f"extra_checklists[{c}]": f"{base}[{c + 1}]" for c in range(len(cls) - 1)})
     if "ground_truth" in extra:
-        out["ground_truth"] = _maybe_json(extra.pop("ground_truth"), "extra_info.ground_truth", err)
+        gt = _maybe_json(extra.pop("ground_truth"), "extra_info.ground_truth", err)
+        if gt is not None:
+            out["ground_truth"] = gt
         paths["ground_truth"] = "extra_info.ground_truth"
-    # Everything else is kept, not dropped: other columns and extra_info keys go to metadata.
-    meta = {k: v for k, v in rec.items() if k not in ("messages", "extra_info")}
+    if "task_metadata" in extra:  # written by envace_jax.data.export: the task's metadata
+        own = _maybe_json(extra.pop("task_metadata"), "extra_info.task_metadata", err)
+        paths["metadata"] = "extra_info.task_metadata"
+        # The layout's bookkeeping (regenerated on export) is not the task's; anything else
+        # someone added to the file is kept.
+        extra.pop("index", None)
+        if set(ikw) <= {"name"}:
+            ikw = {}
+        meta = {k: v for k, v in rec.items() if k not in ("messages", "extra_info", "data_source")}
+        if isinstance(own, Mapping):
+            meta = {**meta, **own}
+        elif own is not None:
+            meta = own  # parse_task names the bad value
+    else:
+        # Everything else is kept, not dropped: other columns and extra_info keys go to
+        # metadata.
+        meta = {k: v for k, v in rec.items() if k not in ("messages", "extra_info")}
     if ikw:
         extra["interaction_kwargs"] = ikw
-    if extra:
-        meta["extra_info"] = extra
+    if extra and isinstance(meta, dict):
+        if isinstance(meta.get("extra_info"), Mapping):
+            extra = {**meta["extra_info"], **extra}
+        meta = {**meta, "extra_info": extra}
     out["metadata"] = meta
     return out, paths
 
@@ -174,6 +205,40 @@ def _from_annotation(rec: Mapping[str, Any], err: Errors) -> tuple[dict, dict[st
     return out, paths
 
 
+def record_task_id(rec: Any) -> str | None:
+    """The task id a raw record names (`task_id`, the reference's `extra_info.original_index`,
+    the annotation layout's `uuid`), for error messages; None when it has no usable one."""
+    if not isinstance(rec, Mapping):
+        return None
+    if "extra_info" in rec:
+        extra = rec["extra_info"]
+        if isinstance(extra, str):
+            try:
+                extra = json.loads(extra)
+            except (ValueError, RecursionError):
+                return None
+        if not isinstance(extra, Mapping):
+            return None
+        value = next(
+            (extra[k] for k in ("original_index", "uuid", "index") if extra.get(k) is not None),
+            None,
+        )
+    elif "checklists" in rec and "checklist" not in rec:
+        value = rec.get("uuid")
+    else:
+        value = rec.get("task_id")
+    if isinstance(value, (np.integer, int)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str) or not value or LONE_SURROGATE.search(value):
+        return None
+    return value if len(value) <= 80 else value[:77] + "..."
+
+
+def record_label(source: str, index: int, task_id: str | None = None) -> str:
+    """`tasks.parquet: record 7 (task 'abc-12')`: where a record is, for messages."""
+    return f"{source}: record {index}" + (f" (task {task_id!r})" if task_id else "")
+
+
 def parse_record(
     rec: Any, *, weight_tolerance: float = DEFAULT_WEIGHT_TOLERANCE
 ) -> tuple[Task | None, list[tuple[str, str]]]:
@@ -208,15 +273,18 @@ def parse_records(
     in errors. Each record may also be an exception raised while reading it."""
     tasks: list[Task] = []
     rejected: list[tuple[int, str]] = []
+    labels: list[str] = []
     seen: dict[str, int] = {}
     n = 0
     for i, rec in enumerate(records):
         n += 1
         if isinstance(rec, Exception):
             rejected.append((i, str(rec)))
+            labels.append(record_label(source, i))
             continue
         try:
-            task, errors = parse_record(to_python(rec), weight_tolerance=weight_tolerance)
+            rec = to_python(rec)
+            task, errors = parse_record(rec, weight_tolerance=weight_tolerance)
         except RecursionError:  # validation recurses through the record's values
             task, errors = None, [("", TOO_DEEP)]
         if task is not None and task.task_id in seen:
@@ -225,11 +293,12 @@ def parse_records(
             task = None
         if task is None:
             rejected.append((i, "; ".join(f"{p}: {m}" if p else m for p, m in errors)))
+            labels.append(record_label(source, i, record_task_id(rec)))
             continue
         seen[task.task_id] = i
         tasks.append(task)
     if rejected:
-        lines = [f"{source}: record {i}: {reason}" for i, reason in rejected]
+        lines = [f"{label}: {reason}" for label, (_, reason) in zip(labels, rejected, strict=True)]
         if strict:
             head = f"{source}: {len(rejected)} of {n} records are invalid:\n"
             raise TaskFileError(head + "\n".join(lines), rejected)
@@ -262,8 +331,29 @@ def _text(data: bytes, where: str) -> str:
         ) from None
 
 
-def _iter_json(path: str) -> Iterator[Any]:
-    with open(path, "rb") as f:
+SKIPPED = object()  # `read_records`' placeholder for a record its `keep` left undecoded
+
+
+def open_binary(path: str):
+    """A task file opened for reading bytes: local paths directly, others (gs://...) through
+    etils.epath."""
+    if "://" not in path:
+        return open(path, "rb")
+    from etils import epath
+
+    return epath.Path(path).open("rb")
+
+
+def _exists(path: str) -> bool:
+    if "://" not in path:
+        return os.path.exists(path)
+    from etils import epath
+
+    return epath.Path(path).exists()
+
+
+def _iter_json(path: str, keep) -> Iterator[Any]:
+    with open_binary(path) as f:
         data = f.read().removeprefix(_BOM)
     try:
         text = _text(data, "")
@@ -280,53 +370,87 @@ def _iter_json(path: str) -> Iterator[Any]:
     if not isinstance(data, list):
         kind = type(data).__name__
         raise TaskFileError(f"{path}: expected a JSON list of task records, got {kind}")
-    yield from data
+    for i, rec in enumerate(data):
+        yield rec if keep is None or keep(i) else SKIPPED
 
 
-def _iter_jsonl(path: str) -> Iterator[Any]:
-    """One record per line; a line that is not UTF-8 or not JSON is a bad record of its own
-    (lenient mode skips it)."""
-    with open(path, "rb") as f:
+def _jsonl_record(raw: bytes, lineno: int) -> Any:
+    try:
+        return json.loads(_text(raw, f"line {lineno}: "))
+    except RecursionError:
+        return _BadRecord(f"line {lineno}: {TOO_DEEP}")
+    except ValueError as e:
+        message = str(e) if str(e).startswith("line ") else f"line {lineno}: not valid JSON ({e})"
+        return _BadRecord(message)
+
+
+def _iter_jsonl(path: str, keep) -> Iterator[Any]:
+    """One record per non-blank line; a line that is not UTF-8 or not JSON is a bad record of
+    its own (lenient mode skips it)."""
+    i = 0
+    with open_binary(path) as f:
         for lineno, raw in enumerate(f, start=1):
             if lineno == 1:
                 raw = raw.removeprefix(_BOM)
             if not raw.strip():
                 continue
-            try:
-                yield json.loads(_text(raw, f"line {lineno}: "))
-            except RecursionError:
-                yield _BadRecord(f"line {lineno}: {TOO_DEEP}")
-            except ValueError as e:
-                message = (
-                    str(e) if str(e).startswith("line ") else f"line {lineno}: not valid JSON ({e})"
-                )
-                yield _BadRecord(message)
+            yield _jsonl_record(raw, lineno) if keep is None or keep(i) else SKIPPED
+            i += 1
 
 
-def _iter_parquet(path: str, batch_size: int = 256) -> Iterator[Any]:
+def _iter_parquet(path: str, keep, batch_size: int = 64) -> Iterator[Any]:
+    """Rows batch by batch (a batch at a time in memory as Python objects); rows `keep`
+    leaves out are never converted."""
     import pyarrow.parquet as pq
 
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises several types for a bad file
-        raise TaskFileError(f"{path}: not a readable parquet file ({e})") from e
-    for batch in pf.iter_batches(batch_size=batch_size):
-        for row in batch.to_pylist():
-            yield _drop_nulls(row)
+    with open_binary(path) as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except Exception as e:  # pyarrow raises several types for a bad file
+            raise TaskFileError(f"{path}: not a readable parquet file ({e})") from e
+        start = 0
+        batches = pf.iter_batches(batch_size=batch_size)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as e:  # a corrupt page or column chunk
+                raise TaskFileError(f"{path}: not a readable parquet file ({e})") from e
+            n = batch.num_rows
+            if keep is None:
+                rows = iter(batch.to_pylist())
+                kept = [True] * n
+            else:
+                kept = [bool(keep(start + j)) for j in range(n)]
+                take = [j for j in range(n) if kept[j]]
+                rows = iter(batch.take(take).to_pylist() if take else [])
+            for k in kept:
+                yield _drop_nulls(next(rows)) if k else SKIPPED
+            start += n
+
+
+def read_records(path: str | os.PathLike, keep=None) -> Iterator[Any]:
+    """Each record of a task file, in order: the record, a ValueError for one that could not be
+    decoded (a bad JSON line), or `SKIPPED` where `keep(record index)` is false (the record is
+    not decoded: a host reading its share skips the others' cheaply). File-level problems
+    (no such file, unknown type, unreadable file) raise TaskFileError."""
+    path = os.fspath(path)
+    if not _exists(path):
+        raise TaskFileError(f"{path}: no such file")
+    if path.endswith(".jsonl"):
+        return _iter_jsonl(path, keep)
+    if path.endswith(".json"):
+        return _iter_json(path, keep)
+    if path.endswith(".parquet"):
+        return _iter_parquet(path, keep)
+    raise TaskFileError(f"{path}: unknown task file type; expected one of {list(SUFFIXES)}")
 
 
 def iter_records(path: str | os.PathLike) -> Iterator[Any]:
-    """Raw records of a task file, by suffix."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise TaskFileError(f"{path}: no such file")
-    if path.endswith(".jsonl"):
-        return _iter_jsonl(path)
-    if path.endswith(".json"):
-        return _iter_json(path)
-    if path.endswith(".parquet"):
-        return _iter_parquet(path)
-    raise TaskFileError(f"{path}: unknown task file type; expected one of {list(SUFFIXES)}")
+    """Raw records of a task file, by suffix (a record that could not be decoded is a
+    ValueError naming its line)."""
+    return read_records(path)
 
 
 def load_tasks(
