@@ -8,6 +8,13 @@ checkpoint directory, staged on every worker by `tpu_scripts/stage.sh` (override
       --config.schedule.checkpoint_dir=gs://BUCKET/run/checkpoints
   python -m envace_jax.plan --config configs/qwen3_8b.py:v5p-32 --topology v5p-32
 
+The data and the reward are the paper's: task files in the reference layout (`data.env =
+'files'`, the training and validation directories `tpu_scripts/stage.sh --data` stages on every
+worker, DATA_DIR; or gs:// paths given with --config.data.train_files= / eval_files=), the
+LLM checklist judge (the reference's Qwen3-30B-A3B behind an OpenAI-compatible server at
+JUDGE_URL; --config.judge.base_url= to use another) and held-out evaluation by the checklist
+score of rehearsed episodes (avg@4, pass@4), with no environment anywhere.
+
 `reference_config` sets what the reference run uses (EnvACE `run_checklist_share.sh`): K = 4
 rollouts of 16 instructions per step, AdamW lr 1e-6 (constant) with weight decay 0.01 and
 gradient clipping 1.0, PPO clip 0.2 / 0.2 with dual clip 3, no KL term, up to 8,000 new tokens
@@ -38,7 +45,13 @@ from envace_jax.configuration import base_config
 from envace_jax.planner.topology import parse_topology
 
 REFERENCE_CONTEXT = 20480  # the reference's 20,000-token budget, as a length bucket
-PROMPT_BUDGET = 1024  # tokens kept for the prompt (demo-domain prompts are a few hundred)
+# Tokens kept for the opening prompt, tools rendered: the reference drops tasks above 3,500
+# (data.max_prompt_tokens), and its messages may then take up to 8,000 tokens each.
+PROMPT_BUDGET = 3500
+DATA_DIR = "~/envace/data"  # where tpu_scripts/stage.sh --data puts the task files
+TRAIN_DIR, EVAL_DIR = "train", "validation"  # the staged directory's two subdirectories
+JUDGE_URL = "http://localhost:30000/v1"  # an sglang / vLLM server of the judge model
+JUDGE_MODEL = "Qwen/Qwen3-30B-A3B"  # the reference's judge
 TENSOR = 8  # Qwen3's KV heads: the most chips the heads split over evenly
 _BUCKETS = (1024, 2048, 4096, 8192, 12288, 16384, 20480)
 
@@ -81,8 +94,24 @@ def reference_config(preset: str, checkpoint: str) -> ml_collections.ConfigDict:
     c.schedule.eval_every = 10
     c.schedule.checkpoint_every = 50
     c.schedule.keep_checkpoints = 3
-    c.data.eval_tasks = 64  # the reference validates on 16 prompts x 4
-    c.eval.fidelity_tasks = 16
+    data = os.path.expanduser(DATA_DIR)
+    c.data.env = "files"
+    c.data.train_files = os.path.join(data, TRAIN_DIR)
+    c.data.eval_files = os.path.join(data, EVAL_DIR)
+    c.data.train_tasks = 1 << 30  # every task in the files
+    c.data.eval_tasks = 64
+    c.data.max_prompt_tokens = PROMPT_BUDGET
+    c.judge.kind = "llm"
+    c.judge.base_url = JUDGE_URL
+    c.judge.model = JUDGE_MODEL
+    c.judge.temperature = 0.6
+    c.judge.max_tokens = 6000
+    c.judge.max_retries = 5
+    c.judge.concurrency = 256
+    c.eval.kind = "checklist"
+    c.eval.val_n = 4  # the reference's validation: avg@4 and pass@4 at T=0.6, top_p=0.95
+    c.rehearsal.sft_memory_fraction = 0.0
+    c.schedule.probe_every = 0
     set_context(c, REFERENCE_CONTEXT)
     return c
 

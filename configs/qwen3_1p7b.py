@@ -20,7 +20,6 @@ CONTEXTS = {
     "v6e-8": 8192,
     "v6e-16": 16384,
     "v6e-32": 20480,
-    "v5e-8": 4096,
     "v5e-16": 8192,
     "v5e-32": 16384,
 }  # slice -> context that fits (tokens)

@@ -38,6 +38,11 @@ REHEARSAL_VIEWS = ("shared", "grounded")  # rollout.rehearsal_view (DESIGN: two 
 
 
 JOBS = ("train", "rehearsal_eval", "headroom")  # What envace_jax.main runs (envace_jax.jobs).
+JUDGES = ("rule", "llm")  # judge.kind (envace_jax.rewards.judges)
+# eval.kind: held-out evaluation in the domain's executable environment, or the judge's
+# checklist score of world-rehearsal episodes (tasks without an environment); 'auto' picks
+# the environment when the domain has one.
+EVAL_KINDS = ("auto", "environment", "checklist")
 
 
 class ConfigError(ValueError):
@@ -97,6 +102,43 @@ class DataSection(Section):
     # row per tool turn (`rollout.grounded`): the prompt of the grounded rehearsal view, the
     # environment's real responses as its REHEARSE target.
     simulator_demos: float = knob(0.0, number(0.0, 1.0))
+    # Domain 'files' (no executable environment, the paper's setting): the training and the
+    # held-out tasks, each a comma-separated list of task files (.parquet, .jsonl, .json in
+    # the reference layout or ours), directories of them or globs; local paths or gs://.
+    # `train_tasks` / `eval_tasks` cap how many of them are used (file order).
+    train_files: str = knob("", text("task files, directories or globs, comma-separated"))
+    eval_files: str = knob("", text("task files, directories or globs, comma-separated"))
+    # Skip (and report) invalid task records instead of stopping at them.
+    skip_invalid: bool = knob(False, BOOL)
+    # Drop tasks whose opening prompt, tools rendered, is longer (0 = keep all; the reference
+    # keeps 3,500 tokens).
+    max_prompt_tokens: int = knob(0, integer(0))
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeSection(Section):
+    """The trajectory reward (envace_jax.rewards.judges): the weighted checklist score of each
+    episode, by machine-checkable rules or by an LLM over an OpenAI-compatible endpoint."""
+
+    # 'rule': the items' `rule`s (tasks that carry them, e.g. the demo's); 'llm': an LLM judge
+    # over HTTP, the paper's reward.
+    kind: str = knob("rule", one_of(*JUDGES))
+    base_url: str = knob("", text("an http(s) URL ending in /v1, or ''"))  # LLM judge's server.
+    model: str = knob("", text("a model name, or ''"))  # The model name sent to it.
+    # Name of the environment variable that holds the API key ('' = none); the key itself is
+    # never in a config, a log or the workdir.
+    api_key_env: str = knob("", text("an environment variable name, or ''"))
+    # 'json_schema' sends the verdict schema as `response_format`; 'text' parses free text;
+    # 'auto' sends the schema and falls back to text when the server refuses it.
+    structured_output: str = knob("auto", one_of("auto", "json_schema", "text"))
+    temperature: float = knob(0.6, _TEMPERATURE)  # Sampling of a verdict (the reference's).
+    max_tokens: int = knob(2048, integer(1))  # Tokens of one verdict.
+    concurrency: int = knob(64, integer(1))  # Requests in flight at once.
+    timeout_s: float = knob(120.0, number(0.0, lo_open=True))  # Deadline of one request.
+    max_retries: int = knob(4, integer(0))  # Attempts after the first one, with backoff.
+    # A batch in which a larger share of the requested verdicts failed (server down, errors,
+    # unparseable answers) stops the run: a broken judge must never read as a reward of 0.
+    max_error_share: float = knob(0.2, number(0.0, 1.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +213,10 @@ class EvalSection(Section):
     # The evaluations every `schedule.eval_every` RL steps (the learning curve) also run avg@4,
     # five times the cost of their greedy run; the warm start's and the final run it always.
     curve_avg4: bool = knob(False, BOOL)
+    kind: str = knob("auto", one_of(*EVAL_KINDS))  # Environment or checklist (EVAL_KINDS).
+    # Checklist evaluation: sampled episodes per task (k of avg@k and pass@k, the reference's
+    # val_n), at `temperature` / `top_p`.
+    val_n: int = knob(4, integer(1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +284,8 @@ class JobConfig(Section):
     optim: OptimConfig = nested(OptimConfig, learning_rate=1e-4)  # Optimizer of the RL phase.
     rollout: RolloutSection = nested(RolloutSection)  # Training rollouts (GRPO groups).
     schedule: ScheduleSection = nested(ScheduleSection)  # Steps, evaluations, checkpoints.
-    eval: EvalSection = nested(EvalSection)  # Held-out real-environment evaluation.
+    judge: JudgeSection = nested(JudgeSection)  # The reward: rule or LLM checklist judge.
+    eval: EvalSection = nested(EvalSection)  # Held-out evaluation.
     rehearsal: RehearsalSection = nested(RehearsalSection)  # Test-time rehearsal.
 
     def __post_init__(self):
@@ -252,6 +299,7 @@ class JobConfig(Section):
                 f"rollout.rehearsal_view = 'grounded' is for mode 'envace' (and the modes "
                 f"without rehearsal), not {self.mode!r}"
             )
+        self._check_data()
         batches = (
             (self.sft, self.schedule.sft_batch_size, "schedule.sft_batch_size"),
             (self.grpo, r.group_size * r.tasks_per_step, "rollout.group_size x tasks_per_step"),
@@ -260,6 +308,38 @@ class JobConfig(Section):
             mini, micro, key = step.mini_batches, step.micro_batches, step.config_key
             if problem := chunking_problem(rows, mini, micro, key):
                 raise ValueError(f"{what} = {rows} rows {problem}")
+
+
+    def _check_data(self) -> None:
+        """Task files, judge and evaluation that fit together (checked before any work)."""
+        d, j = self.data, self.judge
+        if j.kind == "llm":
+            for key in ("base_url", "model"):
+                if not getattr(j, key):
+                    raise ValueError(f"judge.{key}: judge.kind = 'llm' needs it")
+            if not j.base_url.startswith(("http://", "https://")):
+                raise ValueError(f"judge.base_url = {j.base_url!r}: expected an http(s) URL")
+        files = d.env == "files"
+        for key in ("train_files", "eval_files"):
+            if files and not getattr(d, key):
+                raise ValueError(f"data.{key}: data.env = 'files' needs task files")
+            if not files and getattr(d, key):
+                raise ValueError(f"data.{key}: set data.env = 'files' to train on task files")
+        if not files:
+            return
+        # Without an executable environment: nothing may need one.
+        no_env = "data.env = 'files' has no executable environment"
+        if self.mode in ("grpo_real_env", "corrupted_world"):
+            raise ValueError(f"mode = {self.mode!r}: {no_env}")
+        if self.job != "train":
+            raise ValueError(f"job = {self.job!r}: {no_env}")
+        if self.eval.kind == "environment":
+            raise ValueError(f"eval.kind = 'environment': {no_env}; use 'checklist'")
+        if self.rehearsal.sft_memory_fraction > 0:
+            raise ValueError(
+                f"rehearsal.sft_memory_fraction = {self.rehearsal.sft_memory_fraction}: "
+                f"memory demonstrations replay calls in the environment; {no_env} (set 0)"
+            )
 
 
 def base_config() -> ml_collections.ConfigDict:

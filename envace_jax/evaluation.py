@@ -1,4 +1,5 @@
-"""Held-out evaluation in the real environment: the reference's protocol, and headroom.
+"""Held-out evaluation: in the real environment (the reference's protocol), or, for tasks that
+have none, the judge's checklist score of rehearsed episodes (`checklist_evaluate`); headroom.
 
 Every policy is scored the same way, whatever trained it:
 
@@ -35,6 +36,7 @@ from envace_jax.rollout.real_env import (
 )
 from envace_jax.rollout.world_rehearsal import GroupSampling
 from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.text.codes import Status
 
 AVG_SAMPLES = 4  # Sampled executions per task of the avg@4 score.
 
@@ -292,3 +294,106 @@ def headroom(
             out[label.format(g)] = {"tasks": count} | {n: per_group[n][g] for n in scores}
     out["all"] = {"tasks": len(tasks)} | {n: _pooled(v, True)[0] for n, v in scores.items()}
     return out
+
+
+# ------------------------------------------------------------------------------------------
+# Without an executable environment: the judge's checklist score of rehearsed episodes.
+
+EVAL_ROWS = 64  # rehearsed episodes decoded per call (a call's rows x buffer bounds its memory)
+
+
+@dataclasses.dataclass
+class ChecklistEval:
+    """Held-out evaluation of tasks that have no environment (the reference's validation): `k`
+    sampled world-rehearsal episodes per task, each scored by the judge's checklist. avg@k is
+    the mean score, pass@k the mean over tasks of the best of the k scores; `won_*` the same of
+    the reference's pass metric, "some turn scored" (score > 0); `*_se` are standard errors over
+    tasks; `by_source` per data source (`task.metadata['data_source']`)."""
+
+    k: int
+    checklist_avg: float
+    checklist_avg_se: float
+    checklist_pass: float
+    checklist_pass_se: float
+    won_avg: float
+    won_pass: float
+    invalid_rate: float
+    judge_error_share: float
+    by_source: dict[str, float] = dataclasses.field(default_factory=dict)
+    by_source_pass: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def headline(self) -> dict[str, float]:
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if not f.name.startswith("by_")
+        }
+
+    def as_dict(self) -> dict[str, float]:
+        out = {k: float(v) for k, v in self.headline().items()}
+        out.update({f"checklist_avg/{s}": v for s, v in self.by_source.items()})
+        out.update({f"checklist_pass/{s}": v for s, v in self.by_source_pass.items()})
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> ChecklistEval:
+        per = lambda p: {k.split("/", 1)[1]: v for k, v in d.items() if k.startswith(p + "/")}
+        names = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("by_")]
+        fields = {k: d.get(k, 0.0) for k in names}
+        fields["k"] = int(fields["k"])
+        return cls(**fields, by_source=per("checklist_avg"), by_source_pass=per("checklist_pass"))
+
+
+def eval_from_dict(d: dict[str, float]) -> EvalResult | ChecklistEval:
+    """An evaluation read back from metrics or checkpoint metadata, of either kind."""
+    return ChecklistEval.from_dict(d) if "checklist_avg" in d else EvalResult.from_dict(d)
+
+
+def checklist_evaluate(
+    rehearse: Callable[..., Any],
+    tasks: Sequence[Any],
+    eval_cfg,
+    length_buckets: Sequence[int],
+    key: jax.Array,
+) -> ChecklistEval:
+    """`eval_cfg.val_n` world-rehearsal episodes of each task by `rehearse(tasks, group,
+    layout=)` (the mode's players and its judge), sampled at `eval_cfg.temperature` / `top_p`,
+    in calls of about EVAL_ROWS episodes. No environment is called. Every process runs every
+    task (the held-out set is small)."""
+    k = eval_cfg.val_n
+    per_call = max(1, EVAL_ROWS // k)
+    sampling = SamplingParams(temperature=eval_cfg.temperature, top_p=eval_cfg.top_p)
+    scores, invalid, stats = [], [], {"judge_failures": 0.0, "asked": 0.0}
+    for c, start in enumerate(range(0, len(tasks), per_call)):
+        chunk = [tasks[i] for i in range(start, min(start + per_call, len(tasks)))]
+        group = GroupSampling(
+            group_size=k,
+            key=jax.random.fold_in(key, c),
+            sampling=sampling,
+            max_new_tokens=eval_cfg.max_new_tokens,
+            length_buckets=length_buckets,
+        )
+        rb = rehearse(chunk, group, layout=None)
+        n = len(rb.episodes)
+        scores.append(np.asarray(rb.batch.reward[:n], np.float64).reshape(len(chunk), k))
+        invalid += [ep.status == Status.INVALID for ep in rb.episodes]
+        stats["judge_failures"] += rb.stats.get("judge_failures", 0.0)
+        asked = rb.stats.get("judge_items", 0.0) - rb.stats.get("judge_short_circuit", 0.0)
+        stats["asked"] += asked
+    table = np.concatenate(scores) if scores else np.zeros((0, k))
+    avg, best = table.mean(axis=1), table.max(axis=1, initial=0.0)
+    sources = families_of(tasks, "data_source")
+    mine = list(tasks)
+    return ChecklistEval(
+        k=k,
+        checklist_avg=_pooled(avg, everywhere=False)[0],
+        checklist_avg_se=_pooled(avg, everywhere=False)[1],
+        checklist_pass=_pooled(best, everywhere=False)[0],
+        checklist_pass_se=_pooled(best, everywhere=False)[1],
+        won_avg=float(np.mean(table > 0)) if table.size else 0.0,
+        won_pass=float(np.mean(np.any(table > 0, axis=1))) if table.size else 0.0,
+        invalid_rate=float(np.mean(invalid)) if invalid else 0.0,
+        judge_error_share=stats["judge_failures"] / stats["asked"] if stats["asked"] else 0.0,
+        by_source=by_family(avg, mine, sources, False, "data_source"),
+        by_source_pass=by_family(best, mine, sources, False, "data_source"),
+    )

@@ -53,7 +53,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         tokenizer, mode="host", max_turns=r.max_turns, max_message_tokens=r.max_message_tokens
     )
     sampler = Sampler(model, spec, pad_id=tokenizer.pad_token_id)
-    env_domain = domain(config.data.env)
+    env_domain = domain(config.data.env, config.data)
     tasks = env_domain.held_out_tasks(config)
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p)
     k = config.eval.pass_k

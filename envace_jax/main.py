@@ -5,8 +5,9 @@
 
 The config is validated before anything is built, compiled or written: a missing config file,
 an unknown key, a bad value or a missing model directory is one line naming it (exit status 2).
-A run stopped by a checkpoint that cannot be written (e.g. out of disk) ends with one line too
-(exit status 1). Rerunning a finished train workdir writes its outputs again from the final
+A run stopped by a checkpoint that cannot be written (e.g. out of disk), or by a judge that
+fails (its endpoint and first error named), ends with one line too (exit status 1); invalid
+task files list every bad record (exit status 2). Rerunning a finished train workdir writes its outputs again from the final
 checkpoint and prints its summary; `--force` redoes its final evaluation.
 
 A multi-process run (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, as
@@ -231,14 +232,18 @@ def _run(config, workdir: str, lock: PidLock) -> None:
 
     from envace_jax import jobs  # heavy imports only after the config is known to be good
     from envace_jax.checkpoint import CheckpointError
+    from envace_jax.data.readers import TaskFileError
+    from envace_jax.rewards.judges import JudgeFailed
 
     # A failed checkpoint write reaches the user once, as CheckpointError (below).
     logging.get_absl_handler().addFilter(_NoOrbaxTracebacks())  # every logger's records
     sys.unraisablehook = _drop_closed_loop_callbacks(sys.unraisablehook)
     try:
         jobs.run(config, workdir, force=_FORCE.value)
-    except CheckpointError as e:
+    except (CheckpointError, JudgeFailed) as e:
         _stop(e, 1, lock)
+    except TaskFileError as e:  # the task data: every bad record named, then exit 2
+        _stop(e, 2, lock)
 
 
 def cli():

@@ -443,3 +443,15 @@ def process_sum(values: Any) -> np.ndarray:
     if jax.process_count() == 1:
         return values
     return np.asarray(multihost_utils.process_allgather(values)).sum(axis=0)
+
+
+def check_whole_groups(layout: RowLayout, group_size: int, what: str) -> None:
+    """Raises unless this process's rows of `layout` are whole groups of `group_size`
+    consecutive rows (needed when each process draws the tasks of its own rows)."""
+    groups, counts = np.unique(np.asarray(layout.rows) // group_size, return_counts=True)
+    if np.any(counts != group_size):
+        raise ValueError(
+            f"{what} = {group_size}: process {jax.process_index()} holds part of a group of "
+            f"the RL batch; with task files each host samples whole groups (use a group size "
+            f"that divides the rows per host, {len(layout.rows)})"
+        )

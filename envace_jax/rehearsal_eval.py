@@ -349,7 +349,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         commit_rows=r.commit_rows,
     )
     budgets = tuple(sorted(set(r.budgets)))
-    env_domain = domain(config.data.env)
+    env_domain = domain(config.data.env, config.data)
     per_seed = []
     for s in range(r.seeds):
         t0 = time.time()

@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Sequence
 
-from envace_jax.evaluation import EvalResult
+from envace_jax.evaluation import ChecklistEval, EvalResult
 from envace_jax.metrics import plot_curves, read_metrics, table
 
 CURVES = [
@@ -15,12 +15,32 @@ CURVES = [
     ("eval", "success", "real-env success (held out)"),
     ("eval", "fidelity", "rehearsal fidelity (held out)"),
 ]
+CHECKLIST_CURVES = [
+    ("rl", "rollout_reward", "rollout reward (train)"),
+    ("eval", "checklist_avg", "checklist score avg@k (held out)"),
+    ("eval", "checklist_pass", "checklist score pass@k (held out)"),
+]
 OUTPUTS = "metrics.jsonl, tensorboard/, curves.png, summary.md, summary.json, checkpoints/, export/"
 
 
-def summary_record(ev: EvalResult, env_calls_rl: int) -> dict[str, float]:
+def summary_record(ev: EvalResult | ChecklistEval, env_calls_rl: int) -> dict[str, float]:
     """The headline numbers of one evaluation, as summary.json keeps them, with the real
     environment calls that RL made before it."""
+    if isinstance(ev, ChecklistEval):
+        k = ev.k
+        return {
+            f"checklist_avg@{k}": ev.checklist_avg,
+            f"checklist_avg@{k}_se": ev.checklist_avg_se,
+            f"checklist_pass@{k}": ev.checklist_pass,
+            f"checklist_pass@{k}_se": ev.checklist_pass_se,
+            f"won_avg@{k}": ev.won_avg,
+            f"won_pass@{k}": ev.won_pass,
+            "invalid_rate": ev.invalid_rate,
+            "judge_error_share": ev.judge_error_share,
+            "env_calls_rl": env_calls_rl,
+            f"checklist_avg@{k}_by_source": ev.by_source,
+            f"checklist_pass@{k}_by_source": ev.by_source_pass,
+        }
     return {
         "success_greedy": ev.success,
         "success_greedy_se": ev.success_se,
@@ -34,10 +54,48 @@ def summary_record(ev: EvalResult, env_calls_rl: int) -> dict[str, float]:
     }
 
 
-def summary_tables(warm: EvalResult | None, final: EvalResult, trained: str, tasks) -> str:
+def _pm(v: float, se: float) -> str:
+    return f"{v:.3f} ± {se:.3f}"
+
+
+def checklist_tables(warm: ChecklistEval | None, final: ChecklistEval, trained: str) -> str:
+    """summary.md without an environment: the checklist score's avg@k and pass@k with their
+    standard errors, then per data source."""
+    k = final.k
+    evals = ([("warm start (SFT)", warm)] if warm else []) + [(trained, final)]
+    header = ["policy", f"checklist avg@{k}", f"checklist pass@{k}", f"won avg@{k}"]
+    header += [f"won pass@{k}", "invalid", "judge errors"]
+    rows = [
+        [
+            name,
+            _pm(ev.checklist_avg, ev.checklist_avg_se),
+            _pm(ev.checklist_pass, ev.checklist_pass_se),
+            ev.won_avg,
+            ev.won_pass,
+            ev.invalid_rate,
+            ev.judge_error_share,
+        ]
+        for name, ev in evals
+    ]
+    text = table(rows, header)
+    if sources := sorted({s for _, ev in evals for s in ev.by_source}):
+        names = [n.split(" (")[0] for n, _ in evals]
+        header = ["data source"] + [f"{n} {m}@{k}" for n in names for m in ("avg", "pass")]
+        rows = [
+            [src] + [d.get(src, "-") for _, ev in evals for d in (ev.by_source, ev.by_source_pass)]
+            for src in sources
+        ]
+        text += "\n\nChecklist score by data source:\n\n" + table(rows, header)
+    return text
+
+
+def summary_tables(warm, final, trained: str, tasks) -> str:
     """summary.md: the headline table (greedy and avg@4 with their standard errors), then
-    success per task family; the warm start's columns only when it was evaluated."""
-    pm = lambda v, se: f"{v:.3f} ± {se:.3f}"
+    success per task family; the warm start's columns only when it was evaluated. A checklist
+    evaluation (no environment) gets `checklist_tables`."""
+    if isinstance(final, ChecklistEval):
+        return checklist_tables(warm, final, trained)
+    pm = _pm
     header = ["policy", "success (greedy)", "success (avg@4)", "reward", "tool errors"]
     header += ["invalid", "fidelity"]
     evals = ([("warm start (SFT)", warm)] if warm else []) + [(trained, final)]
@@ -70,8 +128,8 @@ def summary_tables(warm: EvalResult | None, final: EvalResult, trained: str, tas
 def write_report(
     workdir: str,
     metrics_path: str,
-    warm: EvalResult | None,
-    final: EvalResult,
+    warm: EvalResult | ChecklistEval | None,
+    final: EvalResult | ChecklistEval,
     trained: str,
     mode: str,
     tasks: Sequence,
@@ -81,7 +139,9 @@ def write_report(
     `trained` names the final evaluation's row. `warm` is None when the warm start was not
     evaluated (`schedule.eval_warm_start`)."""
     metrics = read_metrics(metrics_path)
-    plot_curves(metrics, os.path.join(workdir, "curves.png"), CURVES)
+    checklist = isinstance(final, ChecklistEval)
+    curves = CHECKLIST_CURVES if checklist else CURVES
+    plot_curves(metrics, os.path.join(workdir, "curves.png"), curves)
     env_calls = int(sum(m.get("env_calls", 0) for m in metrics if m.get("phase") == "rl"))
     summary = summary_tables(warm, final, trained, tasks)
     summary += f"\n\nReal-environment calls during RL: {env_calls}"
@@ -95,6 +155,7 @@ def write_report(
         f.write(summary + "\n")
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary_json, f, indent=1)
-    print(f"\nHeld-out real-environment evaluation ({len(tasks)} tasks):\n{summary}")
+    what = "checklist evaluation, no environment" if checklist else "real-environment evaluation"
+    print(f"\nHeld-out {what} ({len(tasks)} tasks):\n{summary}")
     print(f"\nworkdir: {workdir} ({OUTPUTS})")
     print(f"total time {seconds:.0f}s")

@@ -68,7 +68,8 @@ class RoleStates:
 class RolloutSetup:
     """What every strategy samples with: the model (its graph and initial params), the
     tokenizer, the domain's environment factory, `config.rollout` and this process's rows;
-    `corrupted_envs(kind, rate, seed)` is the domain's factory of corrupted worlds (or None)."""
+    `corrupted_envs(kind, rate, seed)` is the domain's factory of corrupted worlds (or None);
+    `judge` scores world-rehearsal episodes (`rewards.judges`; None: the rule judge)."""
 
     model: nnx.Module
     tokenizer: Any
@@ -76,6 +77,7 @@ class RolloutSetup:
     rollout: Any  # config.rollout
     layout: parallel.RowLayout  # the RL batch's rows this process builds
     corrupted_envs: Callable[[str, float, int], Callable[[], Any]] | None = None
+    judge: Callable[..., Any] | None = None
 
 
 class SharedPolicy:
@@ -124,14 +126,21 @@ class SharedPolicy:
         """`(tasks, group, layout=) -> RolloutBatch`: world-rehearsal episodes by `params`'s
         players in this mode's view (what fidelity is measured on)."""
         self.rehearse_sampler.set_params(self.rehearsal_params(params))
-        return functools.partial(rehearsal_rollouts, self.rehearse_sampler, self.setup.tokenizer)
+        return functools.partial(
+            rehearsal_rollouts, self.rehearse_sampler, self.setup.tokenizer, judge=self.setup.judge
+        )
 
     def rollouts(self, params, tasks: Sequence[Any], key, sampling: SamplingParams) -> RolloutBatch:
         """The RL step's judged batch for `tasks` (`rollout.group_size` trajectories each)."""
         self.rehearse_sampler.set_params(self.rehearsal_params(params))
         group = self._group(key, sampling)
         return rehearsal_rollouts(
-            self.rehearse_sampler, self.setup.tokenizer, tasks, group, layout=self.setup.layout
+            self.rehearse_sampler,
+            self.setup.tokenizer,
+            tasks,
+            group,
+            layout=self.setup.layout,
+            judge=self.setup.judge,
         )
 
     def _group(self, key, sampling: SamplingParams) -> GroupSampling:
@@ -169,6 +178,7 @@ class GroundedPolicy(SharedPolicy):
                 tasks,
                 group,
                 max_message_tokens=self.setup.rollout.max_message_tokens,
+                judge=self.setup.judge,
             )
 
         return rehearse

@@ -16,7 +16,13 @@ and curves from `report`. `Hooks` observe a run at each checkpoint and at its en
    loaded from another run's workdir (`schedule.warm_start_dir`), so modes share one.
 3. **Evaluation** of committed execution in the real environment on held-out tasks (after the
    warm start, every `schedule.eval_every` RL steps, and at the end): success, reward, tool-error
-   rate, and rehearsal fidelity (rehearsed responses equal to the real environment's).
+   rate, and rehearsal fidelity (rehearsed responses equal to the real environment's). Tasks
+   without an environment (`data.env = 'files'`, `eval.kind = 'checklist'`) are evaluated by
+   the judge's checklist score of `eval.val_n` rehearsed episodes each (avg@k, pass@k).
+
+The reward is `config.judge`'s (`rewards.judges`): the items' rules, or an LLM judge over HTTP,
+which is asked for one verdict before anything else runs and stops the run with one line when
+it fails (`JudgeFailed`).
 
 Global step numbering: warm-start steps are 1..S, RL steps S+1..S+R, so one checkpoint sequence
 covers both phases. Every random draw is keyed by (seed, global step), and data positions are a
@@ -50,8 +56,9 @@ from envace_jax.data.stream import TaskStream, length_grouped_batch
 from envace_jax.diagnostics import build_copy_probe, copy_metrics
 from envace_jax.envs.base import CallCounter
 from envace_jax.envs.registry import domain
-from envace_jax.evaluation import EvalResult
+from envace_jax.evaluation import eval_from_dict
 from envace_jax.metrics import MetricsWriter, Progress, truncate_metrics
+from envace_jax.rewards.judges import build_judge
 from envace_jax.rl.batch import pad_to_bucket, smallest_fitting_bucket
 from envace_jax.rl.optim import make_optimizer
 from envace_jax.rl.steps import (
@@ -108,6 +115,8 @@ class Trainer:
         self.config = config
         self.workdir = workdir
         self.hooks = hooks or Hooks()
+        self.judge = build_judge(config.judge)
+        self.judge.check()  # a judge that is down stops the job before any work
         self.steps_cfg = step_configs(config)
         self.mesh = build_mesh(config)
         self.tokenizer = build_tokenizer(config)
@@ -117,7 +126,13 @@ class Trainer:
         self.eval_key = jax.random.fold_in(self.key, 2**31 - 1)  # a stream apart from training
         self._final_eval_key = jax.random.fold_in(self.eval_key, 2**30)
         s, r = config.schedule, config.rollout
-        self.domain = domain(config.data.env)
+        process = (jax.process_index(), jax.process_count())
+        self.domain = domain(
+            config.data.env, config.data, tokenizer=self.tokenizer, process=process
+        )
+        self.eval_kind = config.eval.kind
+        if self.eval_kind == "auto":
+            self.eval_kind = "environment" if self.domain.has_env else "checklist"
         self.train_tasks = self.domain.generate_tasks(config.seed, config.data.train_tasks, "train")
         self.eval_tasks = self.domain.held_out_tasks(config)
         self.pad_id = self.tokenizer.pad_token_id
@@ -125,6 +140,10 @@ class Trainer:
         # Multi-host: the rows of each global batch this process builds (every row on one host).
         self.sft_layout = parallel.row_layout(self.mesh, s.sft_batch_size)
         self.rl_layout = parallel.row_layout(self.mesh, rl_rows)
+        if not self.domain.has_env and jax.process_count() > 1:
+            # Each host holds only its share of the training tasks, so every group must be
+            # sampled on one host.
+            parallel.check_whole_groups(self.rl_layout, r.group_size, "rollout.group_size")
 
         self.sft_tx = make_optimizer(self.steps_cfg["sft_optim"])
         self.rl_tx = make_optimizer(self.steps_cfg["optim"])
@@ -145,6 +164,7 @@ class Trainer:
             r,
             self.rl_layout,
             self.domain.corrupted_envs,
+            self.judge,
         )
         self.mode = strategy(config.mode, setup)
         self.sft_steps = s.sft_steps
@@ -296,10 +316,19 @@ class Trainer:
 
     # -------------------------------------------------------------------------- evaluation
 
-    def evaluate(self, params, tasks, key, greedy_only: bool = False) -> EvalResult:
+    def evaluate(self, params, tasks, key, greedy_only: bool = False):
         """Committed execution of `tasks` in the real environment by the ACT params (greedy and
         avg@4, `envace_jax.evaluation`), and the fidelity of the REHEARSE player (whoever
-        rehearses in this mode)."""
+        rehearses in this mode); or, `eval.kind` 'checklist', the judge's checklist score of
+        rehearsed episodes (avg@k, pass@k; `greedy_only` does not apply)."""
+        if self.eval_kind == "checklist":
+            return evaluation.checklist_evaluate(
+                self.mode.rehearsals(params),
+                tasks,
+                self.config.eval,
+                self.config.rollout.length_buckets,
+                key,
+            )
         return evaluation.evaluate(
             self.mode.host(params),
             self.mode.rehearsals(params),
@@ -344,7 +373,10 @@ class Trainer:
             m.update(rollout_s=t1 - t0, update_s=time.time() - t1)
             m["env_calls"] = self.rl_envs.calls - calls
             self.writer.write(rl_step, "rl", m, global_step=g)
-            progress.update(rl_step, reward=rb.stats["reward"], loss=m["loss"])
+            shown = {"reward": rb.stats["reward"], "loss": m["loss"]}
+            if "judge_error_share" in rb.stats:  # a judge that fails shows, even under the bar
+                shown["judge_err"] = rb.stats["judge_error_share"]
+            progress.update(rl_step, **shown)
             if s.eval_every and rl_step % s.eval_every == 0 and rl_step < self.rl_steps:
                 key = jax.random.fold_in(self.eval_key, g)
                 curve = not self.config.eval.curve_avg4
@@ -373,7 +405,7 @@ class Trainer:
         step, state, meta = self.restore()
         if meta.get("phase") == "done" and step == self.sft_steps + self.rl_steps and not force:
             print(f"the run is complete (step {step}); --force redoes its final evaluation")
-            final = EvalResult.from_dict(meta["final_eval"])
+            final = eval_from_dict(meta["final_eval"])
             return self._finish(state, meta["sft_eval"], final, 0.0)
         if state is None and self.config.schedule.warm_start_dir:
             step, state, meta = self.load_warm_start(self.config.schedule.warm_start_dir)
@@ -390,7 +422,7 @@ class Trainer:
             final = self.evaluate(state.params, self.eval_tasks, self._final_eval_key)
             self.writer.write(self.rl_steps, "eval", final.as_dict(), global_step=last)
         else:  # the final policy is the warm start, evaluated once (metrics has its row)
-            final = EvalResult.from_dict(meta["sft_eval"])
+            final = eval_from_dict(meta["sft_eval"])
         self._save(last, state, {**meta, "phase": "done", "final_eval": final.as_dict()})
         self.run_dir.checkpointer.wait()
         return self._finish(state, meta["sft_eval"], final, time.time() - t_start)
@@ -400,7 +432,7 @@ class Trainer:
         from), keeps it in warm_start/, and opens the RL phase with a fresh optimizer."""
         ev = None
         if meta.get("warm_start_eval"):  # evaluated by the run it was loaded from
-            ev = EvalResult.from_dict(meta["warm_start_eval"])
+            ev = eval_from_dict(meta["warm_start_eval"])
         elif not self.rl_steps:  # the final policy: evaluated under the final evaluation's key
             ev = self.evaluate(state.params, self.eval_tasks, self._final_eval_key)
         elif self.config.schedule.eval_warm_start:
@@ -417,7 +449,7 @@ class Trainer:
             self._save(step, state, {**meta, "data_position": 0})  # the RL phase's start
         return state, meta
 
-    def _finish(self, state, sft_eval: dict, final: EvalResult, seconds: float) -> dict[str, Any]:
+    def _finish(self, state, sft_eval: dict, final, seconds: float) -> dict[str, Any]:
         """Exports the policy (every process takes part) and writes the report (process 0)."""
         self.hooks.on_finish(state)
         for name, params in self.mode.exports(state.params).items():
@@ -425,9 +457,10 @@ class Trainer:
             self.run_dir.export(name, model, self.tokenizer)
         if self.writer.enabled:
             trained = f"RL ({self.config.mode})" if self.rl_steps else "final (no RL steps)"
-            warm = EvalResult.from_dict(sft_eval) if sft_eval else None
+            warm = eval_from_dict(sft_eval) if sft_eval else None
             args = (warm, final, trained, self.config.mode, self.eval_tasks, seconds)
             report.write_report(self.workdir, self.writer.path, *args)
         self.writer.close()
         self.run_dir.close()
+        self.judge.close()
         return {"sft": sft_eval, "final": final.as_dict(), "seconds": seconds}

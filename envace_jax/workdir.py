@@ -43,13 +43,14 @@ ARCH_KEYS = ("tokenizer", "model")  # what makes a run's params load into this c
 # What makes two warm starts the same computation (the seed may differ: it then seeds the RL
 # phase and the held-out tasks only).
 _DEMOS = ("env", "train_tasks", "failure_demos", "unfinished_demos", "default_action_demos")
+_DEMOS += ("train_files", "skip_invalid", "max_prompt_tokens")  # which tasks, from files
 WARM_START_KEYS = (*ARCH_KEYS, "sft", "sft_optim", "rehearsal.sft_memory_fraction")
 WARM_START_KEYS += ("schedule.sft_steps", "schedule.sft_batch_size", "data.simulator_demos")
 WARM_START_KEYS += tuple(f"data.{k}" for k in _DEMOS)
 # What makes two evaluations of the same params the same (fidelity is measured in the run's
 # rehearsal view).
 EVAL_KEYS = ("seed", "eval", "rollout.rehearsal_view", "data.env", "data.eval_tasks")
-EVAL_KEYS += ("data.eval_split",)
+EVAL_KEYS += ("data.eval_split", "data.eval_files", "judge")
 
 
 def config_json(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -65,14 +65,19 @@ def smollm2_hf_dir() -> str:
     return path
 
 
-def demo_config(variant=None):
-    """`configs/demo.py`'s config for `variant`, loaded from the file as the job loads it."""
+def config_file(name: str, variant=None):
+    """`configs/<name>.py`'s config for `variant`, loaded from the file as the job loads it."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("demo_config", f"{REPO}/configs/demo.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_config", f"{REPO}/configs/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(variant)
+
+
+def demo_config(variant=None):
+    """`configs/demo.py`'s config for `variant`."""
+    return config_file("demo", variant)
 
 
 def fake_devices_env(devices: int) -> dict[str, str]:

@@ -217,6 +217,7 @@ def test_verdicts_retries_timeouts_and_failures_are_counted(server):
         "judge_http_errors": 2 * 1,
         "judge_malformed": 2 * 3,
         "judge_failures": 2 * 2,
+        "judge_text_fallback": 0,
     }
     # Into the reward: this is the last of two user turns; turn 0 passed its only item.
     checklist = [[item("PEAR", weight=1.0)], items]

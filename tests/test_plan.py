@@ -233,12 +233,12 @@ def test_cli_verdicts_without_touching_a_device():
         assert part in r.stdout
     assert "verdict: FITS" in r.stdout and "mesh: data=1 x fsdp=2 x tensor=8" in r.stdout
 
-    r = _plan("--config", "configs/qwen3_1p7b.py", "--topology", "v5e-8")
+    r = _plan("--config", "configs/qwen3_1p7b.py", "--topology", "v5e-16")
     assert r.returncode == 1, r.stderr[-3000:]
     assert "verdict: DOES NOT FIT" in r.stdout and "Largest component" in r.stdout
     assert "RL step" in r.stdout and "KV cache" in r.stdout
 
-    r = _plan("--config", "configs/qwen3_1p7b.py:v5e-8", "--topology", "v5e-8")
+    r = _plan("--config", "configs/qwen3_1p7b.py:v5e-16", "--topology", "v5e-16")
     assert r.returncode == 0 and "verdict: FITS" in r.stdout, r.stdout[-2000:]
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from envace_jax import parallel
 from envace_jax.planner.topology import parse_topology
+from tests.conftest import config_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "tpu_scripts")
@@ -233,16 +234,38 @@ def test_stage_pulls_from_gcs_on_every_worker(tmp_path):
     ckpt, data = tmp_path / "Qwen3-1.7B", tmp_path / "tasks"
     ckpt.mkdir()
     data.mkdir()
-    commands, _, _ = dry_run(
-        "stage.sh", *base, "--checkpoint", str(ckpt), "--data", str(data), "--bucket", "gs://b/s"
-    )
+    args = ("--checkpoint", str(ckpt), "--data", str(data), "--bucket", "gs://b/s")
+    _, err, rc = dry_run("stage.sh", *base, *args, check=False)
+    assert rc == 2 and "no train/ directory" in err  # what the configs read is named
+    (data / "train").mkdir()
+    (data / "validation").mkdir()
+    commands, _, _ = dry_run("stage.sh", *base, *args)
     (up1, _, pos1), (up2, _, pos2), (ssh, flags, _) = gcloud_commands(commands)
     assert up1 == up2 == ("storage", "rsync")
     assert pos1 == [str(ckpt), "gs://b/s/checkpoint/Qwen3-1.7B"]
     assert pos2 == [str(data), "gs://b/s/data/tasks"]
-    assert '"$HOME/envace/data/tasks"' in flags["--command"]
+    assert 'rsync --recursive gs://b/s/data/tasks "$HOME/envace/data"' in flags["--command"]
     _, err, rc = dry_run("stage.sh", *base, "--checkpoint", str(ckpt), check=False)
     assert rc == 2 and "give --bucket" in err
+
+
+@pytest.mark.parametrize("name", ["qwen3_1p7b", "qwen3_4b", "qwen3_8b"])
+def test_tpu_configs_read_the_staged_task_files_with_the_llm_judge(name, monkeypatch, tmp_path):
+    """Every shipped TPU config trains on task files in the directory stage.sh --data fills,
+    scores with the LLM judge and evaluates without an environment."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = config_file(name)
+    with open(os.path.join(SCRIPTS, "stage.sh")) as f:
+        staged = re.search(r'local dest="\\\$HOME/([^"]+)"', f.read())
+    data_dir = os.path.join(str(tmp_path), staged.group(1))  # where a worker's data lands
+    assert config.data.env == "files"
+    assert config.data.train_files == os.path.join(data_dir, "train")
+    assert config.data.eval_files == os.path.join(data_dir, "validation")
+    assert config.data.max_prompt_tokens == 3500  # the reference's prompt filter
+    assert config.judge.kind == "llm" and config.judge.base_url.startswith("http")
+    assert config.judge.model == "Qwen/Qwen3-30B-A3B"
+    assert config.eval.kind == "checklist" and config.eval.val_n == 4
+    assert config.rollout.max_message_tokens == 8000
 
 
 # -------------------------------------------------------------------------------- launch

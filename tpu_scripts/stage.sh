@@ -8,15 +8,18 @@
 #   --project PROJECT   default: gcloud's configured project
 #   --checkpoint SRC    HF checkpoint directory (config.json, *.safetensors, tokenizer files):
 #                       gs://bucket/path or a local directory
-#   --data SRC          task data directory, gs://... or local (optional)
+#   --data SRC          task data directory, gs://... or local (optional): it holds train/ and
+#                       validation/, each with task files (.parquet/.jsonl/.json, the reference
+#                       layout); `python -m envace_jax.data.validate` checks them first
 #   --bucket gs://B/P   where local sources are uploaded first (required for local sources)
 #   --dry-run           print the commands instead of running them
 #   --help              this text
 #
-# Each worker copies SRC from Cloud Storage to $HOME/envace/models/<basename of SRC> (data:
-# $HOME/envace/data/<basename>), the directory the configs read (configs/qwen3_8b.py uses
-# ~/envace/models/Qwen3-8B). Every worker reads only the slices of the weights its chips hold,
-# but each needs the files on its own disk.
+# Each worker copies SRC from Cloud Storage to $HOME/envace/models/<basename of SRC>, the
+# directory the configs read (configs/qwen3_8b.py uses ~/envace/models/Qwen3-8B); task data goes
+# to $HOME/envace/data (DATA_DIR in configs/_qwen3_tpu.py), whose train/ and validation/ the
+# configs read as data.train_files and data.eval_files. Every worker reads only the slices of
+# the weights its chips hold, but each needs the files on its own disk.
 #
 # Examples:
 #   tpu_scripts/stage.sh --name envace-v5p --zone us-east5-a \
@@ -49,11 +52,16 @@ stage() {
     url=$src
   else
     [[ -d $src ]] || die "--$kind '$src': not a directory (or give a gs:// path)"
+    if [[ $kind == data ]]; then
+      for sub in train validation; do
+        [[ -d $src/$sub ]] || die "--data '$src': no $sub/ directory (the configs read $sub/)"
+      done
+    fi
     [[ -n ${OPT_BUCKET:-} ]] || die "--$kind '$src' is local: give --bucket gs://... to upload it to"
     url=${OPT_BUCKET%/}/$kind/$base
     run gcloud storage rsync --recursive "$src" "$url"
   fi
-  local dest="\$HOME/envace/data/$base"
+  local dest="\$HOME/envace/data"
   [[ $kind == checkpoint ]] && dest="\$HOME/envace/models/$base"
   remote+="
 mkdir -p \"$dest\"

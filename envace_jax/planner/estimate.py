@@ -55,7 +55,11 @@ NO_REMAT_LAYER = 0.62  # remat='none': projection-sized buffers saved per layer
 DOTS_SAVED = 0.77  # remat='dots': saved projection outputs (q, k, v, o, gate, up, down)
 LOGIT_BUFFERS = 3.9  # [b, T, V] float32 around the log-softmax, entropy and their gradient
 LOGIT_BUFFERS_TP = 5.05  # the same with the vocabulary split over 'tensor' (resharding copies)
-PREFILL_BUFFERS = 3.0  # [b, H, P, S] float32 of the prompt prefill's attention
+# [b, H, P, P] float32 of the prompt prefill's attention: a fresh prefill attends to the
+# call's own keys (`Decoder.prefill`), not to every slot of the buffer. XLA's temp size of the
+# compiled prefill (tiny-qwen3, P 1,024-2,048, S 4,096-8,192, 4-8 rows) is 0.96-1.12 of
+# b * H * P * P * 4 bytes, whatever S.
+PREFILL_BUFFERS = 1.15
 DECODE_BUFFERS = 1.6  # one layer's keys and values, read per decode step
 BATCH_BYTES_PER_SLOT = 13  # int32 token + int8 role + int32 segment + float32 logprob
 
@@ -221,7 +225,7 @@ def sampler_phase(
     cache = 2 * math.prod(_shard(cache_shape, CACHE_LOGICAL_AXES, mesh)) * _nbytes(cfg.dtype)
     b = _split(rows, "batch", mesh)
     H = _split(cfg.num_heads, "act_heads", mesh)
-    prefill = PREFILL_BUFFERS * b * H * P * S * 4
+    prefill = PREFILL_BUFFERS * b * H * P * P * 4
     decode = DECODE_BUFFERS * cache / L
     lines = list(state if state is not None else state_lines(cfg, mesh))
     lines += [

@@ -51,6 +51,7 @@ METRIC_KEYS = (
     "judge_http_errors",
     "judge_malformed",
     "judge_failures",
+    "judge_text_fallback",
 )
 
 VERDICT_FIELDS = (
@@ -99,6 +100,9 @@ class JudgeConfig:
     trust_env: bool = True
     # The verdict's format.
     response_format: bool = True
+    # With `response_format`: when the server refuses it (HTTP 400), send plain requests and
+    # parse the verdict from text from then on.
+    fallback_to_text: bool = False
     retry_malformed: bool = True
 
     def __post_init__(self):
@@ -289,6 +293,24 @@ class _Retryable(Exception):
 
 
 class _Fatal(Exception):
+    def __init__(self, detail: str, status: int = 0):
+        self.status = status
+        super().__init__(detail)
+
+
+def _error_detail(e: urllib.error.HTTPError) -> str:
+    """`: <message>` from an OpenAI-style error body (or its first bytes), '' without one."""
+    try:
+        raw = e.read()[:2000]
+    except Exception:
+        return ""
+    try:
+        err = json.loads(raw).get("error")
+        message = err.get("message") if isinstance(err, Mapping) else err
+    except (ValueError, AttributeError):
+        message = raw.decode("utf-8", "replace")
+    return f": {str(message).strip()[:300]}" if message else ""
+
     pass
 
 
@@ -328,6 +350,8 @@ class LLMJudge:
         self._headers = headers
         handlers = [] if config.trust_env else [urllib.request.ProxyHandler({})]
         self._opener = urllib.request.build_opener(*handlers)
+        self.structured = config.response_format  # False once the server refused the schema
+        self.first_error: str | None = None  # the first failed attempt's reason, for reports
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -355,7 +379,7 @@ class LLMJudge:
         }
         if c.top_p is not None:
             body["top_p"] = c.top_p
-        if c.response_format:
+        if self.structured:
             schema = {"name": "evaluation_verdict", "strict": True, "schema": VERDICT_SCHEMA}
             body["response_format"] = {"type": "json_schema", "json_schema": schema}
         return body
@@ -367,9 +391,10 @@ class LLMJudge:
             with self._opener.open(req, timeout=self.config.timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
+            detail = _error_detail(e)
             if e.code in (408, 429) or e.code >= 500:
-                raise _Retryable("http", f"HTTP {e.code}") from None
-            raise _Fatal(f"HTTP {e.code}: {e.reason}") from None
+                raise _Retryable("http", f"HTTP {e.code}{detail}") from None
+            raise _Fatal(f"HTTP {e.code}{detail}", e.code) from None
         except Exception as e:  # any socket/HTTP-level failure is a judge failure, not a crash
             if _is_timeout(e):
                 raise _Retryable("timeout", str(e)) from None
@@ -386,9 +411,9 @@ class LLMJudge:
     async def ajudge_prompt(self, prompt: str, metrics: dict[str, int]) -> bool | None:
         """One item verdict with retries; None when no valid verdict was obtained."""
         c = self.config
-        body = json.dumps(self.payload(prompt)).encode()
         loop = asyncio.get_running_loop()
         for attempt in range(c.max_retries + 1):
+            body = json.dumps(self.payload(prompt)).encode()
             if attempt:
                 metrics["judge_retries"] += 1
                 await asyncio.sleep(min(c.backoff_s * 2 ** (attempt - 1), c.max_backoff_s))
@@ -399,7 +424,9 @@ class LLMJudge:
                     return await asyncio.wait_for(fut, c.timeout_s)
             except (asyncio.TimeoutError, TimeoutError):
                 metrics["judge_timeouts"] += 1
+                self._note(f"no answer within {c.timeout_s} s")
             except _Retryable as e:
+                self._note(str(e))
                 if e.kind == "timeout":
                     metrics["judge_timeouts"] += 1
                 elif e.kind == "http":
@@ -408,13 +435,23 @@ class LLMJudge:
                     metrics["judge_malformed"] += 1
                     if not c.retry_malformed:
                         break
-            except _Fatal:
+            except _Fatal as e:
                 metrics["judge_http_errors"] += 1
+                if e.status == 400 and self.structured and c.fallback_to_text:
+                    self.structured = False  # the server has no structured output: parse text
+                    metrics["judge_text_fallback"] += 1
+                    continue
+                self._note(str(e))
                 break
-            except Exception:  # e.g. the pool was shut down: fail the item, never the rollout
+            except Exception as e:  # e.g. the pool was shut down: fail the item, not the rollout
+                self._note(repr(e))
                 break
         metrics["judge_failures"] += 1
         return None
+
+    def _note(self, detail: str) -> None:
+        if self.first_error is None:
+            self.first_error = detail
 
     async def ajudge_turn(
         self, messages: Sequence[Mapping[str, Any]], items: Sequence[ChecklistItem]

@@ -229,13 +229,27 @@ def judge(task: Any, messages: Sequence[Mapping[str, Any]]) -> RuleJudgement:
     """Score a trajectory (the whole chat, opening messages included) against `task`'s rule
     checklist. Turns are played until the checklist's semantics end the episode (a call error,
     a failed required item); verdicts of later turns are dropped."""
+    return judge_verdicts(task, messages, step_verdicts(task, messages))
+
+
+def judge_verdicts(
+    task: Any,
+    messages: Sequence[Mapping[str, Any]],
+    verdicts: Sequence[Sequence[Sequence[bool]]],
+    judge_failed: Sequence[bool] = (),
+) -> RuleJudgement:
+    """The episode's judgement from item verdicts[turn][step][item], whoever gave them (the
+    rules, or an LLM judge); `judge_failed[t]`: turn t has an item without a verdict."""
     checklist = task.checklist
-    verdicts = step_verdicts(task, messages)
     errors = [any(s.call_error for s in steps) for steps in split_turns(messages)]
     passed, played = [], 0
     for t, table in enumerate(verdicts):
         out = score_turn(
-            [checklist[t]], [table], tool_error=errors[t], last_turn=t == len(checklist) - 1
+            [checklist[t]],
+            [table],
+            tool_error=errors[t],
+            judge_failed=bool(judge_failed[t]) if t < len(judge_failed) else False,
+            last_turn=t == len(checklist) - 1,
         )
         passed.append(out.passed[0])
         played = t + 1

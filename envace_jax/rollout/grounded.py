@@ -35,13 +35,13 @@ from envace_jax.envs.base import (
     result_text,
     tool_error,
 )
-from envace_jax.rewards.rule_judge import judge
 from envace_jax.rl.batch import TrajectoryBatch, from_numpy, pad_to_bucket, smallest_fitting_bucket
 from envace_jax.rollout.episodes import build_episodes
 from envace_jax.rollout.real_env import last_act_text
 from envace_jax.rollout.world_rehearsal import (
     GroupSampling,
     RolloutBatch,
+    judge_episodes,
     judged_batch,
     rollout_stats,
     task_prompts,
@@ -280,13 +280,15 @@ def grounded_rollouts(
     *,
     max_message_tokens: int,
     simulator_rows: int | None = None,
+    judge=None,
 ) -> RolloutBatch:
     """`group.group_size` grounded-rehearsal episodes of every task, judged, as one training
     batch: the ACT rows (task-major, rehearsed responses as CONTEXT), then `simulator_rows`
     REHEARSE rows (default: as many as ACT rows; a seeded subsample of the answers when there
     are more, padding rows when fewer), each in its episode's task group.
 
-    `sampler` is a host-turn sampler holding the policy; no environment is called."""
+    `sampler` is a host-turn sampler holding the policy; no environment is called. `judge`
+    scores the episodes (`rewards.judges`; None: the rule judge)."""
     if sampler.spec.mode != "host":
         raise ValueError("grounded_rollouts needs a sampler whose TurnSpec.mode is 'host'")
     rows = [t for t in tasks for _ in range(group.group_size)]
@@ -319,9 +321,8 @@ def grounded_rollouts(
             state = sampler.resume(state, obs, sampling=group.sampling)
     out = sampler.trajectories(state)
     episodes = host.built(tokenizer, out)
-    rewards = np.asarray(
-        [judge(t, ep.messages).score for t, ep in zip(rows, episodes, strict=True)]
-    )
+    judged = judge_episodes(judge, rows, episodes)
+    rewards = judged.rewards
     group_ids = np.repeat(np.arange(len(tasks)), group.group_size)
     act = judged_batch(tokenizer, out, episodes, rewards, group_ids, group.length_buckets)
     sim = answers.batch(
@@ -333,7 +334,7 @@ def grounded_rollouts(
         group.length_buckets,
     )
     lengths = np.asarray([ep.end for ep in episodes], np.int32)
-    stats = rollout_stats(episodes, rewards, lengths)
+    stats = {**rollout_stats(episodes, rewards, lengths), **judged.stats}
     stats["simulator_answers"] = float(len(answers.rows))
     return RolloutBatch(_stack(act, sim, tokenizer.pad_token_id), episodes, rows, stats)
 

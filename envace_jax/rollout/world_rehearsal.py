@@ -1,8 +1,8 @@
 """EnvACE rollouts: K world-rehearsal trajectories per task, judged, as a training batch.
 
 No environment is touched: the policy acts and rehearses inside one compiled decode loop
-(`sampling.loop`, mode 'rehearse'), the rule judge scores each trajectory including its
-rehearsed observations, and the rows become a `rl.batch.TrajectoryBatch` whose `group` is the
+(`sampling.loop`, mode 'rehearse'), the judge (`rewards.judges`: the rule judge unless another
+is given) scores each trajectory including its rehearsed observations, and the rows become a `rl.batch.TrajectoryBatch` whose `group` is the
 task index (the K rollouts of one task share it). An episode that became invalid (an action
 or rehearsal that does not parse) keeps its tokens up to and including the offending message,
 scored 0 for that turn as in the reference, and nothing after it.
@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from envace_jax import parallel
-from envace_jax.rewards.rule_judge import judge
+from envace_jax.rewards.judges import Judged, RuleJudge
 from envace_jax.rl.batch import TrajectoryBatch, from_numpy, pad_to_bucket, smallest_fitting_bucket
 from envace_jax.rollout.episodes import Episode, build_episodes
 from envace_jax.sampling.chat_spec import later_user_turns
@@ -66,8 +66,10 @@ def rehearsal_rollouts(
     group: GroupSampling,
     *,
     layout: parallel.RowLayout | None = None,
+    judge=None,
 ) -> RolloutBatch:
-    """Samples `group.group_size` world-rehearsal trajectories of every task and judges them.
+    """Samples `group.group_size` world-rehearsal trajectories of every task and judges them
+    (`judge(tasks, conversations) -> Judged`; None: the rule judge).
 
     Rows are task-major (row r is task r // group_size, its group). With a `layout` of those
     len(tasks) * group_size rows (multi-host), this process samples, judges and returns only
@@ -91,9 +93,8 @@ def rehearsal_rollouts(
         layout=layout,
     )
     episodes = build_episodes(tokenizer, rows, out)
-    rewards = np.asarray(
-        [judge(t, ep.messages).score for t, ep in zip(rows, episodes, strict=True)]
-    )
+    judged = judge_episodes(judge, rows, episodes)
+    rewards = judged.rewards
     group_ids = index // group_size
     lengths = np.asarray([ep.end for ep in episodes], np.int32)
     if layout is not None:  # every process's rows padded to the same length
@@ -103,7 +104,12 @@ def rehearsal_rollouts(
         tokenizer, out, episodes, rewards, group_ids, length_buckets, batch_size=group.batch_size
     )
     stats = rollout_stats(episodes, rewards, lengths, everywhere=layout is not None)
-    return RolloutBatch(batch, episodes, rows, stats)
+    return RolloutBatch(batch, episodes, rows, {**stats, **judged.stats})
+
+
+def judge_episodes(judge, tasks: Sequence[Any], episodes: Sequence[Episode]) -> Judged:
+    """Each episode's reward by `judge` (None: the rule judge)."""
+    return (judge or RuleJudge())(tasks, [ep.messages for ep in episodes])
 
 
 def judged_batch(
