@@ -309,7 +309,6 @@ class JobConfig(Section):
             if problem := chunking_problem(rows, mini, micro, key):
                 raise ValueError(f"{what} = {rows} rows {problem}")
 
-
     def _check_data(self) -> None:
         """Task files, judge and evaluation that fit together (checked before any work)."""
         d, j = self.data, self.judge

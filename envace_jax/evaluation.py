@@ -109,6 +109,19 @@ class EvalResult:
     def headline(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in _HEADLINE}
 
+    def line(self) -> str:
+        """The headline as one readable console line."""
+        avg4 = (
+            ""
+            if math.isnan(self.success_avg4)
+            else (f", avg@4 {self.success_avg4:.3f} ± {self.success_avg4_se:.3f}")
+        )
+        return (
+            f"success greedy {self.success:.3f} ± {self.success_se:.3f}{avg4}, reward "
+            f"{self.reward:.3f}, tool errors {self.tool_error_rate:.3f}, invalid "
+            f"{self.invalid_rate:.3f}, fidelity {self.fidelity:.3f}"
+        )
+
     def as_dict(self) -> dict[str, float]:
         """Flat scalars (metrics.jsonl, TensorBoard, checkpoint metadata); a greedy-only
         evaluation leaves its avg@4 scores out."""
@@ -328,6 +341,16 @@ class ChecklistEval:
             for f in dataclasses.fields(self)
             if not f.name.startswith("by_")
         }
+
+    def line(self) -> str:
+        """The headline as one readable console line."""
+        k = self.k
+        return (
+            f"checklist avg@{k} {self.checklist_avg:.3f} ± {self.checklist_avg_se:.3f}, pass@{k} "
+            f"{self.checklist_pass:.3f} ± {self.checklist_pass_se:.3f}, won avg@{k} "
+            f"{self.won_avg:.3f}, invalid {self.invalid_rate:.3f}, judge errors "
+            f"{self.judge_error_share:.3f}"
+        )
 
     def as_dict(self) -> dict[str, float]:
         out = {k: float(v) for k, v in self.headline().items()}

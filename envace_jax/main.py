@@ -7,8 +7,9 @@ The config is validated before anything is built, compiled or written: a missing
 an unknown key, a bad value or a missing model directory is one line naming it (exit status 2).
 A run stopped by a checkpoint that cannot be written (e.g. out of disk), or by a judge that
 fails (its endpoint and first error named), ends with one line too (exit status 1); invalid
-task files list every bad record (exit status 2). Rerunning a finished train workdir writes its outputs again from the final
-checkpoint and prints its summary; `--force` redoes its final evaluation.
+task files list every bad record (exit status 2). Rerunning a finished train workdir writes
+its outputs again from the final checkpoint and prints its summary; `--force` redoes its final
+evaluation.
 
 A multi-process run (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, as
 `tpu_scripts/worker_run.sh` sets them on a pod slice, or SLURM / Open MPI) calls

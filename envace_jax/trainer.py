@@ -126,7 +126,12 @@ class Trainer:
         self.eval_key = jax.random.fold_in(self.key, 2**31 - 1)  # a stream apart from training
         self._final_eval_key = jax.random.fold_in(self.eval_key, 2**30)
         s, r = config.schedule, config.rollout
+        # Task files: each process reads its share of the training rows, and samples the groups
+        # of its own rows. The grounded view builds the whole batch on every process, so there
+        # every process reads every row.
         process = (jax.process_index(), jax.process_count())
+        if r.rehearsal_view == "grounded":
+            process = (0, 1)
         self.domain = domain(
             config.data.env, config.data, tokenizer=self.tokenizer, process=process
         )
@@ -140,7 +145,7 @@ class Trainer:
         # Multi-host: the rows of each global batch this process builds (every row on one host).
         self.sft_layout = parallel.row_layout(self.mesh, s.sft_batch_size)
         self.rl_layout = parallel.row_layout(self.mesh, rl_rows)
-        if not self.domain.has_env and jax.process_count() > 1:
+        if process[1] > 1 and not self.domain.has_env:
             # Each host holds only its share of the training tasks, so every group must be
             # sampled on one host.
             parallel.check_whole_groups(self.rl_layout, r.group_size, "rollout.group_size")
@@ -382,7 +387,7 @@ class Trainer:
                 curve = not self.config.eval.curve_avg4
                 ev = self.evaluate(state.params, self.eval_tasks, key, greedy_only=curve)
                 self.writer.write(rl_step, "eval", ev.as_dict(), global_step=g)
-                print(f"[eval] RL step {rl_step}: {ev.headline()}")
+                print(f"[eval] RL step {rl_step}: {ev.line()}")
             if rl_step % s.checkpoint_every == 0 and rl_step < self.rl_steps:
                 self._save(g, state, {**meta, "phase": "rl", "data_position": stream.position})
                 last_good = g
@@ -441,7 +446,7 @@ class Trainer:
         meta = {"phase": "rl", "sft_eval": ev and ev.as_dict(), **warm}
         if ev is not None:
             self.writer.write(0, "eval", ev.as_dict(), global_step=step)
-            print(f"[eval] warm start: {ev.headline()}")
+            print(f"[eval] warm start: {ev.line()}")
         if self.config.rehearsal.keep_warm_start:
             self.run_dir.keep_warm_start(step, state.params, meta)
         if self.rl_steps:

@@ -50,7 +50,8 @@ class RuleJudge:
 
     def __call__(self, tasks: Sequence[Any], conversations: Sequence[Sequence[Mapping]]) -> Judged:
         try:
-            scores = [rule_judge.judge(t, m).score for t, m in zip(tasks, conversations, strict=True)]
+            pairs = zip(tasks, conversations, strict=True)
+            scores = [rule_judge.judge(t, m).score for t, m in pairs]
         except ValueError as e:
             if "has no rule" not in str(e):
                 raise
@@ -87,7 +88,10 @@ class ChecklistLLMJudge:
     async def _episode(self, task, messages, metrics):
         ends = _turn_ends(messages)[: len(task.checklist)]
         turns = await asyncio.gather(
-            *(self.judge.ajudge_turn(messages[:end], task.checklist[t]) for t, end in enumerate(ends))
+            *(
+                self.judge.ajudge_turn(messages[:end], task.checklist[t])
+                for t, end in enumerate(ends)
+            )
         )
         for turn in turns:
             for k, v in turn.metrics.items():

@@ -2,8 +2,9 @@
 
 No environment is touched: the policy acts and rehearses inside one compiled decode loop
 (`sampling.loop`, mode 'rehearse'), the judge (`rewards.judges`: the rule judge unless another
-is given) scores each trajectory including its rehearsed observations, and the rows become a `rl.batch.TrajectoryBatch` whose `group` is the
-task index (the K rollouts of one task share it). An episode that became invalid (an action
+is given) scores each trajectory including its rehearsed observations, and the rows become a
+`rl.batch.TrajectoryBatch` whose `group` is the task index (the K rollouts of one task share
+it). An episode that became invalid (an action
 or rehearsal that does not parse) keeps its tokens up to and including the offending message,
 scored 0 for that turn as in the reference, and nothing after it.
 """
