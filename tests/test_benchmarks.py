@@ -83,3 +83,10 @@ def test_checkpoint(tmp_path):
 def test_task_files_memory(tmp_path):
     got = run("task_files", "--tasks", "200", "--mb", "3", tmp_path=tmp_path)
     assert got["under_1gb"]
+
+
+def test_structured_output_cost(tmp_path):
+    args = ("--batch", "4", "--new-tokens", "16", "--repeats", "1")
+    got = run("structured_output", *args, tmp_path=tmp_path)
+    assert 0 < got["constrained_over_unconstrained"] < 2
+    assert got["constrained"]["mask_us_per_token"] > 0

@@ -323,7 +323,7 @@ def _cases() -> list[tuple[str, str, object]]:
         "max_completion_tokens": [0],
         "logprobs": ["x"],
         "top_logprobs": [21, 3],
-        "response_format": [{"type": "json_object"}, "x"],
+        "response_format": [{"type": "xml"}, "x"],
         "metadata": [5],
         "store": [True],
         "parallel_tool_calls": ["yes"],

@@ -222,6 +222,16 @@ class _Written(NamedTuple):
     opens: jax.Array  # the sampled token opens a new message (segment)
 
 
+def apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """logits [B, V] with the tokens a packed mask [B, ceil(V/32)] int32 does not allow set to
+    -1e30: bit j of word i allows token 32 i + j (llguidance's and xgrammar's bitmask layout)."""
+    V = logits.shape[-1]
+    bits = jnp.arange(32, dtype=jnp.uint32)
+    words = token_mask.astype(jnp.uint32)[:, :, None]
+    allowed = ((words >> bits) & 1).astype(bool).reshape(token_mask.shape[0], -1)[:, :V]
+    return jnp.where(allowed, logits, jnp.asarray(-1e30, logits.dtype))
+
+
 def _step(
     graphdef,
     params,
@@ -231,6 +241,7 @@ def _step(
     s: LoopState,
     noise_rows: jax.Array | None = None,
     noise_batch: int | None = None,
+    token_mask: jax.Array | None = None,
 ) -> LoopState:
     """One token for every running row; every row's length must be <= `window`."""
     rows = jnp.arange(s.tokens.shape[0])
@@ -238,8 +249,11 @@ def _step(
     last = s.length - 1
     inp = s.tokens[rows, last][:, None]
     logits, cache = model(inp, last[:, None], cache=s.cache, kv_window=window)
+    logits = logits[:, 0]
+    if token_mask is not None:
+        logits = apply_token_mask(logits, token_mask)
     key = jax.random.fold_in(s.key, s.step)
-    sampled, logprob = sample_next(logits[:, 0], key, sampling, noise_rows, noise_batch, s.length)
+    sampled, logprob = sample_next(logits, key, sampling, noise_rows, noise_batch, s.length)
     written, w = _write_token(s, sampled, logprob)
     return _transition(spec, written, w).replace(cache=cache, step=s.step + 1)
 
@@ -355,6 +369,7 @@ def decode(
     noise_rows: jax.Array | None = None,
     noise_batch: int | None = None,
     min_running: int | jax.Array = 1,
+    token_mask: jax.Array | None = None,
 ) -> LoopState:
     """Runs `_step` until fewer than `min_running` rows (at least one) are RUNNING or
     `max_steps` more steps were taken.
@@ -369,6 +384,10 @@ def decode(
     noise_rows [B] / noise_batch (static): the state holds rows `noise_rows` of a
     `noise_batch`-row state (`take_rows`), and samples the tokens that state would.
     min_running: stop early, for a caller that goes on with the running rows alone.
+    token_mask [B, ceil(V/32)] int32: the tokens each row may sample, packed
+      (`apply_token_mask`; structured output, `serve.structured`). It holds for every step of
+      the call, so a caller whose masks change per token decodes one step per call. None: no
+      mask, and the program has no such input.
     """
     stop_at = state.step + jnp.asarray(max_steps, jnp.int32)
     least = jnp.maximum(jnp.asarray(min_running, jnp.int32), 1)
@@ -384,7 +403,9 @@ def decode(
             return running & (jnp.max(s.length) <= window)
 
         def body(s, window=window):
-            return _step(graphdef, params, spec, sampling, window, s, noise_rows, noise_batch)
+            return _step(
+                graphdef, params, spec, sampling, window, s, noise_rows, noise_batch, token_mask
+            )
 
         state = jax.lax.while_loop(cond, body, state)
     return state

@@ -5,7 +5,8 @@ model was trained; `prompts` builds the prompt, off the event loop), generated b
 engine until `<|im_end|>`, and the reply is split into `content` and `tool_calls` by
 `text.tool_calls.parse_tool_calls`; a reply whose tool-call blocks do not parse is returned as
 plain content (model output never fails a request). Streaming sends content deltas as text is
-generated and the tool calls, parsed, in one delta at the end.
+generated and the tool calls, parsed, in one delta at the end. A `response_format` of type
+`json_schema` or `json_object` is enforced while decoding (`structured`).
 
 A client that disconnects has its rows cancelled at the engine's next look, streamed or not.
 
@@ -35,6 +36,7 @@ from envace_jax.serve.limits import Limits
 from envace_jax.serve.middleware import ApiKey, BodyLimit
 from envace_jax.serve.prompts import Prompts, longest_token_chars
 from envace_jax.serve.state import ServerState, server
+from envace_jax.serve.structured import StructuredOutput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +80,12 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig):
     app = FastAPI(title="envace_jax", lifespan=lifespan, docs_url=None, redoc_url=None)
     errors.install(app)
     names = frozenset({config.model_name, *config.aliases})
-    app.state.server = ServerState(engine, tokenizer, config, prompts, names, P.now())
+    state = ServerState(engine, tokenizer, config, prompts, names, P.now())
+    spec = getattr(engine, "spec", None)  # a stand-in engine of a test may have none
+    if spec is not None:  # masks as wide as the model's logits, which may pass the tokenizer's
+        vocab = getattr(engine, "vocab_size", None) or len(tokenizer)
+        state.structured = StructuredOutput(tokenizer, vocab, spec.end_id)
+    app.state.server = state
     app.get("/health")(health)
     app.get("/v1/models")(models)
     app.get("/v1/models/{name:path}")(model)

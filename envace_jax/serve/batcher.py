@@ -43,6 +43,18 @@ over several milliseconds (each request is parsed in turn on the HTTP thread); a
 splits it, and the latecomers join the running batch later, each group with a prefill of its own
 (a new shape may even compile on the spot), and keep it decoding after the first rows are done.
 
+Structured output (`serve.structured`): a sequence with a `grammar` may only sample the tokens
+its grammar allows next, which depend on the token it sampled last. While a batch holds such a
+row, it decodes one token per step call, and before each call the host asks every constrained
+row's grammar for its mask (packed bits, [B, ceil(V/32)] int32; every token allowed in the other
+rows), an input of the compiled step (`loop.decode(token_mask=...)`); the sampled tokens are
+handed back to the grammars when they are emitted. A batch without constrained rows runs the
+program it ran before (no mask input, `chunk_steps` tokens a call): unconstrained requests pay
+nothing unless they share a batch with constrained ones, and then lose the chunking (one host
+round-trip per token) while they do. Mask widths are fixed per model, so the masked programs
+are one more per (rows, buffer) bucket. A grammar that fails (an error computing its mask, or a
+sampled token it refuses) fails its own sequence only.
+
 The engine never blocks on a client: callbacks only enqueue (the HTTP layer buffers per
 request), so a slow reader delays nobody. An error while decoding fails the sequences of the
 batch concerned (their callbacks get a `Done` with `error` set); the engine goes on serving.
@@ -57,6 +69,7 @@ import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +132,13 @@ class Sequence:
     on_event: Callable[[Event], None]
     cancelled: bool = False
     arrived: float = dataclasses.field(default_factory=time.monotonic)
+    # Structured output: an object with `words` (int32 words of a mask), `fill_mask(row)` (the
+    # allowed next tokens, packed, into row: int32 [words]) and `advance(ids)` (the sampled
+    # tokens; an error message if it refuses one), e.g. `serve.structured.TokenGrammar`; its
+    # class may add `fill_masks(mask, [(row, grammar)])` -> [error or None], every row in one
+    # call. Called on the engine thread only. None: free text.
+    grammar: Any = None
+    failed: str | None = None  # why the engine fails the sequence (its grammar broke)
     # Engine bookkeeping.
     slot: int = -1
     emitted: int = 0  # tokens of this row already handed out (prompt excluded)
@@ -243,6 +263,8 @@ class Engine:
         # The stacked decoder: a per-layer copy (`models.layered`) would hold both copies of
         # the weights while converting, above the server's memory budget.
         self.graphdef, self.params = nnx.split(model)
+        # The logits' width (a token mask's bits), where the model says it.
+        self.vocab_size = getattr(getattr(model, "cfg", None), "vocab_size", None)
         self.spec = spec
         self.pad_id = int(pad_id)
         self.max_batch = int(max_batch)
@@ -255,7 +277,9 @@ class Engine:
             loop.init_state, static_argnums=(0,), static_argnames=("spec", "max_len")
         )
 
-        def decode(graphdef, params, state, *, spec, sampling, max_steps, min_running):
+        def decode(
+            graphdef, params, state, *, spec, sampling, max_steps, min_running, token_mask=None
+        ):
             self.stats["decode_programs"] += 1  # runs when jit traces: once per program
             return loop.decode(
                 graphdef,
@@ -265,6 +289,7 @@ class Engine:
                 sampling=sampling,
                 max_steps=max_steps,
                 min_running=min_running,
+                token_mask=token_mask,
             )
 
         self._decode = jax.jit(
@@ -281,7 +306,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._batch: _Batch | None = None
         self._joining: list[Sequence] = []  # popped from the queue, not yet in a batch
-        # batches, admitted, chunks, grown, regrouped, errors, finished_<reason>, decode_programs
+        # batches, admitted, chunks, grown, regrouped, errors, finished_<reason>, decode_programs,
+        # masked_steps (steps under token masks), masks and mask_us (masks computed, host time)
         self.stats = collections.Counter()
 
     # ------------------------------------------------------------------ public API
@@ -532,8 +558,11 @@ class Engine:
         # ~0.14 s, not ~0.9 s). Rows joining a running batch wait for the chunk as before: one
         # step at a time whenever any row is new cost a quarter of the throughput at 4 clients.
         fresh = all(s.emitted == 0 for s in batch.rows if s is not None)
-        steps = 1 if fresh else self.chunk_steps
-        cancel = np.array([s is not None and s.cancelled for s in batch.rows])
+        mask = self._masks(batch)  # rows under a grammar: one token per call, masked
+        steps = 1 if fresh or mask is not None else self.chunk_steps
+        cancel = np.array(
+            [s is not None and (s.cancelled or s.failed is not None) for s in batch.rows]
+        )
         if cancel.any():
             batch.state = self._cancel(batch.state, jnp.asarray(cancel))
         # With nobody waiting, the chunk ends once the running rows fit the next smaller
@@ -550,8 +579,10 @@ class Engine:
             sampling=RowSampling.of([_IDLE_ROW if s is None else s.sampling for s in batch.rows]),
             max_steps=steps,
             min_running=1 if waiting or not smaller else smaller[-1] + 1,
+            token_mask=None if mask is None else jnp.asarray(mask),
         )
         self.stats["chunks"] += 1
+        self.stats["masked_steps"] += mask is not None
         emitted = np.array([s.emitted if s is not None else 0 for s in batch.rows], np.int32)
         start = jnp.asarray(batch.prompt_len.astype(np.int32) + emitted)
         toks, lps = self._window(
@@ -560,6 +591,7 @@ class Engine:
         length = np.asarray(batch.state.length)
         status = np.asarray(batch.state.status)
         toks, lps = np.asarray(toks), np.asarray(lps)
+        broken = np.zeros(batch.size, bool)  # rows whose grammar refused their token
         for slot, seq in enumerate(batch.rows):
             if seq is None:
                 continue
@@ -582,14 +614,58 @@ class Engine:
             else:
                 reason = None
             seq.emitted += n
+            if seq.grammar is not None and ids and not cancelled and seq.failed is None:
+                seq.failed = seq.grammar.advance(ids)
+                broken[slot] = seq.failed is not None and not stopped
+            if seq.failed is not None:
+                batch.rows[slot] = None
+                self._finish(seq, "error", num_generated=total, error=seq.failed)
+                continue
             if ids and not cancelled:
                 seq.on_event(Tokens(tuple(ids), tuple(logp)))
             if stopped or cancelled:
                 batch.rows[slot] = None
                 self._finish(seq, reason or "stop", num_generated=total)
+        if broken.any():  # their rows stop decoding now, as free rows
+            batch.state = self._cancel(batch.state, jnp.asarray(broken))
         if all(s is None for s in batch.rows):
             self._batch = None
             _release(batch.state)
+
+    def _masks(self, batch: _Batch) -> np.ndarray | None:
+        """The token masks of a batch with rows under a grammar, int32 [B, words] (every
+        token allowed in the other rows), or None when no row has one. A grammar that fails
+        to give its mask fails its own sequence (`failed`; its row is cancelled)."""
+        rows = [
+            (slot, seq)
+            for slot, seq in enumerate(batch.rows)
+            if seq is not None and seq.grammar is not None and seq.failed is None
+        ]
+        if not rows:
+            return None
+        start = time.perf_counter()
+        mask = np.full((batch.size, rows[0][1].grammar.words), -1, np.int32)
+        kind = type(rows[0][1].grammar)
+        errors = None
+        if hasattr(kind, "fill_masks") and all(type(s.grammar) is kind for _, s in rows):
+            try:  # every row in one call (the GIL released once, not once a row)
+                errors = kind.fill_masks(mask, [(slot, seq.grammar) for slot, seq in rows])
+            except Exception:
+                log.exception("batched grammar masks failed; computing them row by row")
+        if errors is None:
+            errors = []
+            for slot, seq in rows:
+                try:
+                    seq.grammar.fill_mask(mask[slot])
+                    errors.append(None)
+                except Exception as e:
+                    log.exception("grammar failed; failing its sequence")
+                    errors.append(f"{type(e).__name__}: {e}")
+        for (_, seq), error in zip(rows, errors, strict=True):
+            seq.failed = error
+        self.stats["masks"] += len(rows)
+        self.stats["mask_us"] += int((time.perf_counter() - start) * 1e6)
+        return mask
 
     def _finish(self, seq: Sequence, reason: str, num_generated=None, error=None) -> None:
         if seq.done:

@@ -4,7 +4,10 @@ A reply whose tool-call blocks parse is returned as `tool_calls` (finish reason 
 anything else as plain content. A call forced by `tool_choice` is always returned as a call, or
 answered with an error saying why there is none (`forced`). Streaming sends content as it is
 generated, holding back everything from the first tool-call block on, and the parsed calls in
-one delta at the end.
+one delta at the end. A `response_format` of type `json_schema` or `json_object` constrains the
+reply while it is decoded (`structured`); it is then returned as content, unparsed for calls.
+So does a forced call of a function with `strict: true` (its arguments valid against its
+parameters).
 """
 
 from __future__ import annotations
@@ -25,8 +28,25 @@ from envace_jax.text.tool_calls import CALL_OPEN, parse_tool_calls
 async def chat(req: P.ChatCompletionRequest, request: Request):
     state = server(request, req)
     state.check_rows(1, req.n, "n")
+    grammar = await _grammar(state, req)
     built = await state.prompts.chat(req)
     prompt, prefix, parse_calls = built.ids, built.prefix, built.parse_calls
+    tools = [t.model_dump() for t in req.tools or []]
+    if grammar is not None:
+        if prefix:
+            raise P.APIError(
+                400,
+                "response_format: cannot be combined with a tool_choice that forces a tool call",
+                param="response_format",
+            )
+        parse_calls = False  # the reply is the JSON content
+    elif prefix and state.structured is not None:  # a forced call of a strict function
+        named = (
+            req.tool_choice.function.name
+            if isinstance(req.tool_choice, P.NamedToolChoice)
+            else None
+        )
+        grammar = await state.prompts.off_loop(state.structured.compile_call, tools, named, prefix)
     requested = req.max_completion_tokens or req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     max_new = state.prompts.budget(
@@ -34,7 +54,6 @@ async def chat(req: P.ChatCompletionRequest, request: Request):
     )
     stops = req.stop_list()
     hold = (CALL_OPEN,) if parse_calls else ()
-    tools = [t.model_dump() for t in req.tools or []]
 
     def make_text():
         return ChoiceText(
@@ -48,7 +67,9 @@ async def chat(req: P.ChatCompletionRequest, request: Request):
 
     rows = [(prompt, max_new)]
     sampling = req.sampling_params()
-    choices = await state.start_choices(rows, sampling, req.n, make_text, prefix, req.seed)
+    choices = await state.start_choices(
+        rows, sampling, req.n, make_text, prefix, req.seed, grammar=grammar
+    )
     rid, model_name = P.new_id("chatcmpl"), req.model
     if req.stream:
         events = _stream(state, choices, rid, model_name, req, len(prompt), parse_calls, tools)
@@ -64,6 +85,19 @@ async def chat(req: P.ChatCompletionRequest, request: Request):
         out.append(item)
     usage = P.usage(len(prompt), sum(c.done.num_generated for c in choices))
     return envelope("chat.completion", rid, model_name, out, usage=usage)
+
+
+async def _grammar(state, req: P.ChatCompletionRequest):
+    """The request's `response_format` grammar (`structured`), compiled on a worker thread;
+    None for free text."""
+    fmt = req.response_format
+    if fmt is None or (fmt.type == "text" and fmt.json_schema is None):
+        return None
+    if state.structured is None:
+        raise P.APIError(
+            400, "response_format: this server has no structured output", param="response_format"
+        )
+    return await state.prompts.off_loop(state.structured.compile, fmt)
 
 
 def _end_of_call(prefix: str, text: str) -> int | None:

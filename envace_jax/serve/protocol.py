@@ -139,6 +139,24 @@ class Message(_Lenient):
         return "".join(out)
 
 
+class JSONSchemaFormat(_Strict):
+    """`response_format.json_schema` (OpenAI's shape); the schema is checked when compiled
+    (`serve.structured`)."""
+
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute; the field keeps its name on the wire.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """`response_format`: 'text', 'json_object', or 'json_schema' with `json_schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -203,7 +221,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
 
@@ -211,8 +229,6 @@ class ChatCompletionRequest(_Sampling):
         out = super().unsupported()
         if self.top_logprobs:
             out.append(("top_logprobs", "only the sampled token's logprob is available (use 0)"))
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            out.append(("response_format", "only {'type': 'text'} is supported"))
         if self.store:
             out.append(("store", "stored completions are not supported"))
         return out

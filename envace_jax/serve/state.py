@@ -52,6 +52,9 @@ class ServerState:
     # Choices whose requests are running (`abort_all` ends them at a forced shutdown).
     live: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)
     closing: bool = False  # a forced shutdown began: no new choices
+    # `response_format` compiler (`structured.StructuredOutput`); None: structured output is
+    # refused.
+    structured: Any = None
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -75,19 +78,20 @@ class ServerState:
                 code="too_many_rows",
             )
 
-    async def start_choices(self, rows, sampling, n, make_text, prefix="", seed=None):
+    async def start_choices(self, rows, sampling, n, make_text, prefix="", seed=None, grammar=None):
         """Queues `n` choices for each (prompt ids, max new tokens) of `rows`, sampled with
-        `sampling` (`seed`: each choice gets a seed of its own from it). The per-row setup
-        runs on a worker thread, not on the event loop."""
+        `sampling` (`seed`: each choice gets a seed of its own from it; `grammar`: a
+        `structured.CompiledGrammar` every choice decodes under, with a matcher of its own).
+        The per-row setup runs on a worker thread, not on the event loop."""
         aloop = asyncio.get_running_loop()
-        args = (aloop, rows, sampling, n, make_text, prefix, seed)
+        args = (aloop, rows, sampling, n, make_text, prefix, seed, grammar)
         choices = await self.prompts.off_loop(self._start_choices, *args)
         self.live.update(choices)
         if self.closing:  # a forced shutdown began while they were being set up
             self.abort(choices)
         return choices
 
-    def _start_choices(self, aloop, rows, sampling, n, make_text, prefix, seed):
+    def _start_choices(self, aloop, rows, sampling, n, make_text, prefix, seed, grammar):
         if self.closing:
             raise errors.shut_down()
         choices = []
@@ -100,6 +104,8 @@ class ServerState:
 
                 row = sampling if seed is None else choice_sampling(sampling, seed, len(choices))
                 seq = EngineSeq(tuple(prompt), max_new, row, on_event)
+                if grammar is not None:
+                    seq.grammar = grammar.new()
                 choices.append(Choice(seq, make_text(), queue, prefix=prefix))
         try:
             for c in choices:
