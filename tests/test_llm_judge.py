@@ -96,6 +96,9 @@ class JudgeServer:
             if self.api_key and h.headers.get("Authorization") != f"Bearer {self.api_key}":
                 return respond(401, b'{"error": "bad key"}')
             question = re.search(r"\*\*Question:\*\* (.*)\n", prompt).group(1)
+            if "[no-schema]" in question and "response_format" in body:
+                error = {"error": {"message": "response_format: only {'type': 'text'}"}}
+                return respond(400, json.dumps(error).encode())
             answer = self.verdict(prompt)
             verdict = {
                 "high_level_understanding_of_the_question": "u",
@@ -366,3 +369,19 @@ def test_config_errors_name_the_key():
         JudgeConfig(base_url="http://x/v1", model="m", concurrency=0)
     with pytest.raises(ValueError, match="timeout_s"):
         JudgeConfig(base_url="http://x/v1", model="m", timeout_s=0)
+
+
+def test_a_server_without_structured_output_is_judged_from_text(server):
+    """With fallback_to_text, the first 400 refusing `response_format` switches the judge to
+    plain requests, whose verdicts it parses; without it, the items fail, named."""
+    items = [item("KIWI", "[no-schema]", weight=0.5), item("MANGO", "[no-schema]", weight=0.5)]
+    with LLMJudge(judge_config(server.base_url, fallback_to_text=True, concurrency=1)) as judge:
+        out = judge.judge_turn(CONVERSATION, items)
+    assert out.verdicts == [[False, True], [True, False]] and not out.judge_failed
+    assert out.metrics["judge_text_fallback"] == 1 and out.metrics["judge_failures"] == 0
+    with_schema = [b for b in server.bodies if "response_format" in b]
+    assert len(with_schema) == 1  # only the first request carried it
+    with LLMJudge(judge_config(server.base_url)) as judge:
+        out = judge.judge_turn(CONVERSATION, items)
+        assert judge.first_error.startswith("HTTP 400: response_format")
+    assert out.judge_failed and out.metrics["judge_failures"] == 4

@@ -413,13 +413,17 @@ class LLMJudge:
         c = self.config
         loop = asyncio.get_running_loop()
         for attempt in range(c.max_retries + 1):
-            body = json.dumps(self.payload(prompt)).encode()
+            structured = False
             if attempt:
                 metrics["judge_retries"] += 1
                 await asyncio.sleep(min(c.backoff_s * 2 ** (attempt - 1), c.max_backoff_s))
             metrics["judge_requests"] += 1
             try:
                 async with self._semaphore():
+                    # Built once the request may go: it follows a fallback to text made while
+                    # it waited.
+                    structured = self.structured
+                    body = json.dumps(self.payload(prompt)).encode()
                     fut = loop.run_in_executor(self._pool, self._post, body)
                     return await asyncio.wait_for(fut, c.timeout_s)
             except (asyncio.TimeoutError, TimeoutError):
@@ -437,9 +441,10 @@ class LLMJudge:
                         break
             except _Fatal as e:
                 metrics["judge_http_errors"] += 1
-                if e.status == 400 and self.structured and c.fallback_to_text:
-                    self.structured = False  # the server has no structured output: parse text
-                    metrics["judge_text_fallback"] += 1
+                if e.status == 400 and structured and c.fallback_to_text:
+                    if self.structured:  # the server has no structured output: parse text
+                        self.structured = False
+                        metrics["judge_text_fallback"] += 1
                     continue
                 self._note(str(e))
                 break
