@@ -137,3 +137,103 @@ def test_a_judge_that_refuses_every_request_stops_the_job_with_one_line(tmp_path
     assert f"{url}/chat/completions" in last and "HTTP 400" in last, r.stderr[-3000:]
     assert "not served here" in last  # the server's own message
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow  # a judge server and two short jobs, about six minutes on 2 cores (loaded)
+def test_the_papers_path_with_the_llm_judge_served_by_the_project(tmp_path):
+    """The README's command: reference-layout task files, the LLM judge served over HTTP by
+    envace_jax.serve, both rehearsal views, and the checklist evaluation without an
+    environment in summary.md."""
+    from tests.serve_helpers import running_server
+
+    model = os.path.join(REPO, "envace_jax", "models", "demo_base")
+    tokenizer = os.path.join(REPO, "envace_jax", "text", "demo_tokenizer")
+    port_file = str(tmp_path / "judge.port")
+    with running_server(model, "--tokenizer", tokenizer, port_file=port_file) as (url, _):
+        for view in ("grounded", "shared"):
+            workdir = tmp_path / view
+            args = [
+                "--config",
+                os.path.join(REPO, "configs", "checklist.py"),
+                "--workdir",
+                str(workdir),
+                f"--config.judge.base_url={url}/v1",
+                f"--config.rollout.rehearsal_view={view}",
+                "--config.schedule.rl_steps=1",
+                "--config.schedule.eval_warm_start=False",
+                "--config.rollout.tasks_per_step=2",
+                "--config.data.eval_tasks=2",
+            ]
+            r = subprocess.run(
+                [sys.executable, "-m", "envace_jax.main", *args],
+                capture_output=True,
+                text=True,
+                timeout=1200,
+                cwd=REPO,
+            )
+            assert r.returncode == 0, r.stderr[-3000:]
+            summary = (workdir / "summary.md").read_text()
+            assert "checklist avg@2" in summary and "checklist pass@2" in summary
+            assert "Real-environment calls during RL: 0" in summary
+            final = json.loads((workdir / "summary.json").read_text())["final"]
+            assert final["env_calls_rl"] == 0 and final["judge_error_share"] == 0
+            assert 0 <= final["checklist_avg@2"] <= final["checklist_pass@2"] <= 1
+            rl = [x for x in _rows(str(workdir)) if x["phase"] == "rl"]
+            assert rl and all(x["rollout_judge_requests"] > 0 for x in rl)  # judged over HTTP
+            assert all(x["rollout_judge_failures"] == 0 for x in rl)
+            assert all(x["env_calls"] == 0 for x in rl)
+
+
+def _with_one_bad_record(tmp_path) -> tuple[str, str]:
+    """The shipped demo training sample as JSON lines, record 5 missing an item's weight;
+    returns (path, the bad record's task id)."""
+    import pyarrow.parquet as pq
+
+    from envace_jax.data.samples import sample_path
+
+    def no_nulls(v):  # a parquet struct column holds every row's keys, null where absent
+        if isinstance(v, dict):
+            return {k: no_nulls(x) for k, x in v.items() if x is not None}
+        return [no_nulls(x) for x in v] if isinstance(v, list) else v
+
+    rows = [no_nulls(r) for r in pq.read_table(sample_path("demo_train.parquet")).to_pylist()]
+    checklists = json.loads(rows[5]["extra_info"]["interaction_kwargs"]["checklist_list"])
+    del checklists[0][0][0]["weight"]
+    rows[5]["extra_info"]["interaction_kwargs"]["checklist_list"] = json.dumps(checklists)
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path), str(rows[5]["extra_info"]["original_index"])
+
+
+def _rule_job(tmp_path, train: str, *extra: str) -> subprocess.CompletedProcess:
+    args = ["--config", os.path.join(REPO, "configs", "checklist.py:rule")]
+    args += ["--workdir", str(tmp_path / "run"), f"--config.data.train_files={train}", *extra]
+    return subprocess.run(
+        [sys.executable, "-m", "envace_jax.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
+
+
+def test_a_bad_task_record_stops_the_job_naming_it(tmp_path):
+    train, task_id = _with_one_bad_record(tmp_path)
+    r = _rule_job(tmp_path, train)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "config.data.train_files: 1 of 64 records are invalid:" in r.stderr
+    where = f"{train}: record 5 (task '{task_id}'): "
+    assert where + "extra_info.interaction_kwargs.checklist_list[0][0][0].weight" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow  # a short job, about a minute on 2 cores
+def test_skip_invalid_reports_the_bad_record_and_trains_on_the_rest(tmp_path):
+    train, task_id = _with_one_bad_record(tmp_path)
+    extra = ("--config.data.skip_invalid=True", "--config.schedule.rl_steps=1")
+    r = _rule_job(tmp_path, train, *extra, "--config.data.eval_tasks=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "64 records in 1 file: 63 valid, 1 invalid" in out
+    assert f"record 5 (task '{task_id}')" in out  # the warning names it
+    assert (tmp_path / "run" / "summary.md").exists()
