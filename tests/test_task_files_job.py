@@ -106,13 +106,13 @@ def _job(tmp_path, base_url: str) -> subprocess.CompletedProcess:
         f"--config.data.train_files={sample_path('handwritten.jsonl')}",
         "--config.data.train_tasks=4",
     ]
-    return subprocess.run(
-        [sys.executable, "-m", "envace_jax.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    return _main(*args)
+
+
+def _main(*args: str) -> subprocess.CompletedProcess:
+    """`python -m envace_jax.main ARGS` from the repository root."""
+    cmd = [sys.executable, "-m", "envace_jax.main", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=REPO)
 
 
 def test_a_judge_that_is_down_stops_the_job_with_one_line(tmp_path):
@@ -164,13 +164,7 @@ def test_the_papers_path_with_the_llm_judge_served_by_the_project(tmp_path):
                 "--config.rollout.tasks_per_step=2",
                 "--config.data.eval_tasks=2",
             ]
-            r = subprocess.run(
-                [sys.executable, "-m", "envace_jax.main", *args],
-                capture_output=True,
-                text=True,
-                timeout=1200,
-                cwd=REPO,
-            )
+            r = _main(*args)
             assert r.returncode == 0, r.stderr[-3000:]
             summary = (workdir / "summary.md").read_text()
             assert "checklist avg@2" in summary and "checklist pass@2" in summary
@@ -208,13 +202,7 @@ def _with_one_bad_record(tmp_path) -> tuple[str, str]:
 def _rule_job(tmp_path, train: str, *extra: str) -> subprocess.CompletedProcess:
     args = ["--config", os.path.join(REPO, "configs", "checklist.py:rule")]
     args += ["--workdir", str(tmp_path / "run"), f"--config.data.train_files={train}", *extra]
-    return subprocess.run(
-        [sys.executable, "-m", "envace_jax.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO,
-    )
+    return _main(*args)
 
 
 def test_a_bad_task_record_stops_the_job_naming_it(tmp_path):
