@@ -407,12 +407,14 @@ def checklist_evaluate(
     avg, best = table.mean(axis=1), table.max(axis=1, initial=0.0)
     sources = families_of(tasks, "data_source")
     mine = list(tasks)
+    score_avg, score_avg_se = _pooled(avg, everywhere=False)
+    score_pass, score_pass_se = _pooled(best, everywhere=False)
     return ChecklistEval(
         k=k,
-        checklist_avg=_pooled(avg, everywhere=False)[0],
-        checklist_avg_se=_pooled(avg, everywhere=False)[1],
-        checklist_pass=_pooled(best, everywhere=False)[0],
-        checklist_pass_se=_pooled(best, everywhere=False)[1],
+        checklist_avg=score_avg,
+        checklist_avg_se=score_avg_se,
+        checklist_pass=score_pass,
+        checklist_pass_se=score_pass_se,
         won_avg=float(np.mean(table > 0)) if table.size else 0.0,
         won_pass=float(np.mean(np.any(table > 0, axis=1))) if table.size else 0.0,
         invalid_rate=float(np.mean(invalid)) if invalid else 0.0,
