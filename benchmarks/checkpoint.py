@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envace_jax import checkpoint as ckpt_lib
-from envace_jax.checkpoint_integrity import describe, state_leaves
+from envace_jax.runtime import checkpoint as ckpt_lib
+from envace_jax.runtime.checkpoint_integrity import describe, state_leaves
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ checkpoint directory, staged on every worker by `tpu_scripts/stage.sh` (override
 
   python -m envace_jax.main --config configs/qwen3_8b.py:v5p-32 --workdir ~/envace/run \
       --config.schedule.checkpoint_dir=gs://BUCKET/run/checkpoints
-  python -m envace_jax.plan --config configs/qwen3_8b.py:v5p-32 --topology v5p-32
+  python -m envace_jax.planner --config configs/qwen3_8b.py:v5p-32 --topology v5p-32
 
 The data and the reward are the paper's: task files in the reference layout (`data.env =
 'files'`, the training and validation directories `tpu_scripts/stage.sh --data` stages on every
@@ -29,7 +29,7 @@ gradient accumulation to a slice:
   and the sampler);
 * micro-batches such that every device holds one row at a time.
 
-A variant's context is the largest the memory planner (`python -m envace_jax.plan`) accepts on
+A variant's context is the largest the memory planner (`python -m envace_jax.planner`) accepts on
 its slice (the reference's 20,000 tokens where it fits); `tests/test_plan.py` checks that every
 listed layout fits. No variant: the reference context with the layout of the file's home slice,
 FSDP over whatever devices there are; check it with the planner before a run on another slice.

@@ -128,15 +128,15 @@ def smollm2():
 
 def headroom():
     """Greedy, pass@1 and pass@k per task family of a trained demo workdir's policies
-    (envace_jax.headroom): pass the train job's --workdir."""
+    (envace_jax.train.headroom): pass the train job's --workdir."""
     config = demo()
     config.job = "headroom"
     return config
 
 
 def rehearsal_eval():
-    """Test-time rehearsal of a trained demo workdir (envace_jax.rehearsal_eval): pass the train
-    job's --workdir, or --config.rehearsal.checkpoint_dir=<its workdir>."""
+    """Test-time rehearsal of a trained demo workdir (envace_jax.testtime.rehearsal_eval): pass
+    the train job's --workdir, or --config.rehearsal.checkpoint_dir=<its workdir>."""
     config = demo()
     config.job = "rehearsal_eval"
     return config

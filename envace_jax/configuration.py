@@ -187,7 +187,7 @@ class ScheduleSection(Section):
     # Checkpoints: a path (relative: to the workdir) or gs:// URL; '' = workdir/checkpoints.
     checkpoint_dir: str = knob("", text("a directory, gs:// path, or ''"))
     log_every: int = knob(10, integer(1))  # SFT steps between metric lines.
-    # SFT steps between held-out copy diagnostics (envace_jax.diagnostics; 0 = off): greedy
+    # SFT steps between held-out copy diagnostics (envace_jax.train.diagnostics; 0 = off): greedy
     # accuracy on ACT tokens and on their digits (ids, amounts) of held-out demonstrations, and
     # on the digits of tool responses (REHEARSE), overall and per tool.
     probe_every: int = knob(50, integer(0))
@@ -198,7 +198,7 @@ class ScheduleSection(Section):
 
 @dataclasses.dataclass(frozen=True)
 class EvalSection(Section):
-    """Held-out evaluation (envace_jax.evaluation): greedy, and avg@4 sampled at this setting
+    """Held-out evaluation (envace_jax.train.evaluation): greedy, and avg@4 sampled at this setting
     (the reference's validation sampling)."""
 
     temperature: float = knob(0.6, _TEMPERATURE)  # Sampling temperature of the avg@4 executions.
@@ -221,7 +221,7 @@ class EvalSection(Section):
 
 @dataclasses.dataclass(frozen=True)
 class RehearsalSection(Section):
-    """Test-time rehearsal (envace_jax.rollout.test_time) and what the train job keeps for it."""
+    """Test-time rehearsal (envace_jax.testtime.rehearsal) and what the train job keeps for it."""
 
     # Warm-start demos whose prompt carries a memory.
     sft_memory_fraction: float = knob(0.25, number(0.0, 1.0))

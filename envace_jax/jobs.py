@@ -8,16 +8,16 @@ import ml_collections
 def run(config: ml_collections.ConfigDict, workdir: str, force: bool = False) -> dict:
     """'train': the EnvACE training job (warm start, world-rehearsal RL, real-environment
     evaluation). 'rehearsal_eval': test-time rehearsal of a trained workdir
-    (`envace_jax.rehearsal_eval`). 'headroom': greedy, pass@1 and pass@k of a trained workdir's
-    policies (`envace_jax.headroom`). force: a finished train job redoes its final evaluation."""
+    (`testtime.rehearsal_eval`). 'headroom': greedy, pass@1 and pass@k of a trained workdir's
+    policies (`train.headroom`). force: a finished train job redoes its final evaluation."""
     if config.job == "headroom":
-        from envace_jax.headroom import run as headroom
+        from envace_jax.train.headroom import run as headroom
 
         return headroom(config, workdir)
     if config.job == "rehearsal_eval":
-        from envace_jax.rehearsal_eval import run as rehearsal_eval
+        from envace_jax.testtime.rehearsal_eval import run as rehearsal_eval
 
         return rehearsal_eval(config, workdir)
-    from envace_jax.trainer import Trainer
+    from envace_jax.train.trainer import Trainer
 
     return Trainer(config, workdir).run(force=force)

@@ -31,9 +31,9 @@ import warnings
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from envace_jax import interrupts
 from envace_jax.configuration import ConfigError, key_problem, validate
-from envace_jax.locks import LockHeld, PidLock
+from envace_jax.runtime import interrupts
+from envace_jax.runtime.locks import LockHeld, PidLock
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Job config file (`path.py` or `path.py:variant`).", lock_config=True
@@ -130,7 +130,7 @@ def _drop_closed_loop_callbacks(hook):
 
 
 def _lock_workdir(workdir: str, process: int) -> PidLock:
-    """Makes this process the workdir's only job (`envace_jax.locks`): two jobs on one workdir
+    """Makes this process the workdir's only job (`runtime.locks`): two jobs on one workdir
     would mix their metrics and remove each other's checkpoints. Released at exit."""
     name = "job.lock" if process == 0 else f"job.process{process}.lock"
     lock = PidLock(os.path.join(workdir, name))
@@ -232,9 +232,9 @@ def _run(config, workdir: str, lock: PidLock) -> None:
     logging.info("workdir %s", workdir)
 
     from envace_jax import jobs  # heavy imports only after the config is known to be good
-    from envace_jax.checkpoint import CheckpointError
     from envace_jax.data.readers import TaskFileError
     from envace_jax.rewards.judges import JudgeFailed
+    from envace_jax.runtime.checkpoint import CheckpointError
 
     # A failed checkpoint write reaches the user once, as CheckpointError (below).
     logging.get_absl_handler().addFilter(_NoOrbaxTracebacks())  # every logger's records

@@ -21,9 +21,9 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from envace_jax import checkpoint as ckpt_lib
-from envace_jax import checkpoint_integrity
-from envace_jax.checkpoint import Checkpointer, CheckpointError
+from envace_jax.runtime import checkpoint as ckpt_lib
+from envace_jax.runtime import checkpoint_integrity
+from envace_jax.runtime.checkpoint import Checkpointer, CheckpointError
 from tests.conftest import fake_devices_env
 
 # ------------------------------------------------------------------------ building blocks
@@ -184,7 +184,7 @@ SHARDING_SCRIPT = """
 import sys
 import jax, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from envace_jax.checkpoint import Checkpointer
+from envace_jax.runtime.checkpoint import Checkpointer
 
 mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
 rng = np.random.default_rng(0)
@@ -401,7 +401,7 @@ def test_resumed_run_moves_newer_checkpoints_aside(tmp_path, caplog):
 KILL_SCRIPT = """
 import sys, time
 import jax.numpy as jnp, numpy as np
-from envace_jax.checkpoint import Checkpointer
+from envace_jax.runtime.checkpoint import Checkpointer
 
 def state(seed):
     return {"w": jnp.asarray(np.random.default_rng(seed).standard_normal((2048, 4096), np.float32))}
@@ -461,7 +461,7 @@ jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=proc
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from envace_jax.checkpoint import Checkpointer
+from envace_jax.runtime.checkpoint import Checkpointer
 
 assert jax.process_count() == 2 and jax.device_count() == 8
 mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)

@@ -24,13 +24,13 @@ NOBODY = 65534
 UNREADABLE_SCRIPT = """
 import grp, json, logging, os, pwd, sys, tempfile  # grp, pwd: imported lazily by etils
 import jax, jax.numpy as jnp, orbax.checkpoint as ocp
-from envace_jax.checkpoint import Checkpointer
+from envace_jax.runtime.checkpoint import Checkpointer
 
 directory, uid = sys.argv[1], int(sys.argv[2])
 warnings = []
 handler = logging.Handler()
 handler.emit = lambda r: warnings.append(r.getMessage()) if r.levelno >= logging.WARNING else None
-logging.getLogger("envace_jax.checkpoint").addHandler(handler)
+logging.getLogger("envace_jax.runtime.checkpoint").addHandler(handler)
 
 def state(seed):
     return {"w": jnp.arange(64.0) + seed, "b": jnp.full((3,), seed, jnp.int32)}
@@ -100,7 +100,7 @@ def test_unreadable_checkpoints_are_left_in_place_and_saving_goes_on():
 FAILING_DISK_SCRIPT = """
 import json, resource, signal, sys, time
 import jax.numpy as jnp, numpy as np
-from envace_jax.checkpoint import Checkpointer, CheckpointError
+from envace_jax.runtime.checkpoint import Checkpointer, CheckpointError
 
 # Files over 256 KiB fail to write (EFBIG), as a full disk fails them (ENOSPC).
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from envace_jax.diagnostics import build_copy_probe, copy_metrics
 from envace_jax.envs.demo import demonstrations, generate_tasks, oracle_messages, response_tools
 from envace_jax.text import load_tokenizer
 from envace_jax.text.trajectory import Role
+from envace_jax.train.diagnostics import build_copy_probe, copy_metrics
 
 
 @pytest.fixture(scope="module")

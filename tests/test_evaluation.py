@@ -1,4 +1,4 @@
-"""The held-out evaluation protocol (`envace_jax.evaluation`) on the shipped demo base policy,
+"""The held-out evaluation protocol (`envace_jax.train.evaluation`) on the shipped demo base policy,
 which solves some tasks and fails others: avg@4 is the mean of four seeded sampled evaluations
 at the configured temperature and top_p, the standard errors follow the binomial formula
 (greedy) and the per-task one (avg@4), and the headroom scores agree with the runs they
@@ -11,15 +11,15 @@ import jax
 import numpy as np
 import pytest
 
-from envace_jax.build import build_mesh, build_model
 from envace_jax.configuration import base_config
 from envace_jax.envs.demo import DemoEnv, generate_tasks
-from envace_jax.evaluation import AVG_SAMPLES, committed_runs, evaluate, headroom
 from envace_jax.rollout.world_rehearsal import rehearsal_rollouts
+from envace_jax.runtime.build import build_mesh, build_model
 from envace_jax.sampling.chat_spec import turn_spec
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.sampler import Sampler
 from envace_jax.text import load_tokenizer
+from envace_jax.train.evaluation import AVG_SAMPLES, committed_runs, evaluate, headroom
 
 N_TASKS = 12
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from envace_jax.build import build_model
 from envace_jax.configuration import base_config, validate
 from envace_jax.envs.demo import demonstrations, generate_tasks
 from envace_jax.rl.advantages import compute_advantages
@@ -31,6 +30,7 @@ from envace_jax.rollout.grounded import (
     simulator_messages,
 )
 from envace_jax.rollout.world_rehearsal import GroupSampling
+from envace_jax.runtime.build import build_model
 from envace_jax.sampling.chat_spec import turn_spec
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.sampler import Sampler
@@ -38,7 +38,7 @@ from envace_jax.text.chat import render_text
 from envace_jax.text.codes import Role
 from envace_jax.text.tokenizer import load_tokenizer
 from envace_jax.text.trajectory import encode_conversation
-from envace_jax.warm_start_data import rows_batch
+from envace_jax.train.warm_start_data import rows_batch
 from tests.test_advantages import reference_advantages
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -219,7 +219,7 @@ def _smoke(mode: str, workdir: str = "", view: str = "grounded"):
 def test_rl_in_world_rehearsal_calls_no_environment(tmp_path):
     """The trainer's call counter, in metrics.jsonl and summary.json: zero calls in either
     rehearsal view, and the real-environment mode's calls, so the counter is seen counting."""
-    from envace_jax.trainer import Trainer
+    from envace_jax.train.trainer import Trainer
 
     warm = str(tmp_path / "warm")
     Trainer(_smoke("sft_only"), warm).run()

@@ -192,7 +192,7 @@ def _max_change(a, b) -> float:
 @pytest.fixture(scope="module")
 def warm_start(tmp_path_factory):
     """One warm start ('sft_only': the warm start, no RL) shared by every mode below."""
-    from envace_jax.trainer import Trainer
+    from envace_jax.train.trainer import Trainer
 
     workdir = tmp_path_factory.mktemp("warm")
     trainer = Trainer(smoke("sft_only"), str(workdir))
@@ -234,8 +234,8 @@ class _Recorder:
     "mode", ["envace", "envace_noshare", "external_simulator", "grpo_real_env"]
 )
 def test_each_mode_trains_from_the_shared_warm_start(warm_start, tmp_path, mode):
-    from envace_jax.strategies import RoleParams
-    from envace_jax.trainer import Hooks, Trainer
+    from envace_jax.train.strategies import RoleParams
+    from envace_jax.train.trainer import Hooks, Trainer
 
     captured = {}
     hooks = Hooks(on_finish=lambda state: captured.setdefault("state", state))
@@ -289,7 +289,7 @@ def test_each_mode_trains_from_the_shared_warm_start(warm_start, tmp_path, mode)
     assert real.sum() == 4  # smoke: 2 tasks x 2 rollouts
 
     # The last checkpoint restores into the mode's state layout with the same parameters.
-    from envace_jax import checkpoint as ckpt_lib
+    from envace_jax.runtime import checkpoint as ckpt_lib
 
     ckpt = ckpt_lib.Checkpointer(os.path.join(tmp_path, "checkpoints"))
     step, restored, meta = ckpt.restore(lambda s, meta: trainer.abstract_state("rl"))
@@ -303,7 +303,7 @@ def test_a_train_jobs_workdir_gives_the_warm_start_it_kept(warm_start, tmp_path)
     """A train job ends on RL, and its checkpoint at step sft_steps opens the RL phase rather
     than ending a warm start; the warm start it keeps in warm_start/ is what a longer RL run
     from that workdir starts from."""
-    from envace_jax.trainer import Trainer
+    from envace_jax.train.trainer import Trainer
 
     first = str(tmp_path / "first")
     Trainer(smoke("envace", warm_start), first).run()
@@ -319,7 +319,7 @@ def test_a_train_jobs_workdir_gives_the_warm_start_it_kept(warm_start, tmp_path)
 def test_an_unreadable_kept_warm_start_falls_back_to_the_checkpoint(warm_start, tmp_path, capsys):
     """The copy kept in warm_start/ comes first; when it is corrupt, the checkpoint at step
     sft_steps is used, with a warning; when that is unreadable too, the error names it."""
-    from envace_jax.trainer import Trainer
+    from envace_jax.train.trainer import Trainer
 
     copy = tmp_path / "warm"
     shutil.copytree(warm_start, copy)
@@ -336,7 +336,7 @@ def test_an_unreadable_kept_warm_start_falls_back_to_the_checkpoint(warm_start, 
 
 @pytest.mark.slow  # needs the warm start job of the fixture (a minute of CPU)
 def test_warm_start_from_another_config_is_refused(warm_start, tmp_path):
-    from envace_jax.trainer import Trainer
+    from envace_jax.train.trainer import Trainer
 
     config = smoke("envace", warm_start, **{"sft_optim.learning_rate": 0.5})
     with pytest.raises(ValueError, match=r"warm_start_dir.*other sft_optim"):
@@ -355,7 +355,7 @@ def test_a_corrupted_world_with_corruption_off_is_grpo_in_the_real_environment(t
     """The sensitivity control's arm with `corruption_rate` 0 samples, judges and trains exactly
     what real-environment GRPO does (bit for bit), but counts its calls as simulator calls: RL
     makes no environment call."""
-    from envace_jax.trainer import Hooks, Trainer
+    from envace_jax.train.trainer import Hooks, Trainer
 
     finals = {}
     # The shipped base makes tool calls (a tiny random policy may make none); each run makes the

@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 sys.path.insert(0, os.path.join(sys.argv[7], "configs"))
 import demo
 from envace_jax.configuration import validate
-from envace_jax.trainer import Hooks, Trainer
+from envace_jax.train.trainer import Hooks, Trainer
 
 c = demo.get_config("smoke")
 c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 2, 2

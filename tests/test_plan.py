@@ -67,7 +67,7 @@ sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from envace_jax import parallel
-from envace_jax.build import build_model, build_tokenizer
+from envace_jax.runtime.build import build_model, build_tokenizer
 from envace_jax.configuration import step_configs
 from envace_jax.rl.batch import TrajectoryBatch
 from envace_jax.rl.optim import make_optimizer
@@ -217,7 +217,7 @@ def test_reference_hyperparameters():
 def _plan(*args):
     env = dict(os.environ, JAX_PLATFORMS="tpu")  # any device access would fail: there is none
     return subprocess.run(
-        [sys.executable, "-m", "envace_jax.plan", *args],
+        [sys.executable, "-m", "envace_jax.planner", *args],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -12,18 +12,18 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from envace_jax.build import build_model
 from envace_jax.configuration import base_config
-from envace_jax.diagnostics import build_copy_probe, copy_metrics
 from envace_jax.envs.demo import demonstrations, generate_tasks
 from envace_jax.models.config import get_preset
 from envace_jax.models.decoder import Decoder
 from envace_jax.models.hf_io import load_hf_model, save_hf_model
 from envace_jax.models.shipped import DEMO_BASE_DIR
 from envace_jax.rollout.grounded import simulator_demonstrations
+from envace_jax.runtime.build import build_model
 from envace_jax.text import load_tokenizer
 from envace_jax.text.codes import Role
-from envace_jax.warm_start_data import rows_batch
+from envace_jax.train.diagnostics import build_copy_probe, copy_metrics
+from envace_jax.train.warm_start_data import rows_batch
 from tests.conftest import REPO
 
 

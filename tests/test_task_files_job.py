@@ -45,7 +45,7 @@ def test_exported_task_files_train_to_the_demo_domains_numbers(tmp_path):
     """The demo world's tasks, exported to the reference layout and read back as task files,
     give the numbers of the same tasks taken from the domain: to the last digit, warm start,
     RL rewards and losses, and the checklist evaluation."""
-    from envace_jax.trainer import Trainer
+    from envace_jax.train.trainer import Trainer
 
     direct = _smoke_checklist()
     demo = domain("demo")

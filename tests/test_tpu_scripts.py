@@ -292,7 +292,7 @@ def test_launch_plans_then_starts_every_worker():
     (plan, plan_flags, _), (start, start_flags, _) = gcloud_commands(commands)
     assert plan_flags["--worker"] == "0" and start_flags["--worker"] == "all"
     assert (
-        "-m envace_jax.plan --config=configs/qwen3_8b.py:v5p-32 --topology=v5p-32 "
+        "-m envace_jax.planner --config=configs/qwen3_8b.py:v5p-32 --topology=v5p-32 "
         "--config.seed=3" in plan_flags["--command"]
     )
     # The worker command: run it through worker_run.sh's own dry run as worker 1 of 4.
@@ -438,7 +438,7 @@ def test_every_documented_script_command_is_accepted():
 def test_every_documented_python_command_is_accepted():
     lines, exports = _doc_commands()
     prelude = "; ".join(exports)
-    plans = [x for x in lines if x.startswith("python -m envace_jax.plan")]
+    plans = [x for x in lines if x.startswith("python -m envace_jax.planner")]
     mains = [x for x in lines if x.startswith("python -m envace_jax.main")]
     assert plans and mains
     for line in plans:  # run for real: it touches no device

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from envace_jax.configuration import validate
-from envace_jax.trainer import Hooks, Trainer, TrainingDiverged
+from envace_jax.train.trainer import Hooks, Trainer, TrainingDiverged
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
@@ -216,7 +216,7 @@ def test_sigkill_mid_training_then_rerun_finishes(tmp_path):
 def test_family_success_is_a_rate_per_family_of_tasks_that_name_one():
     import types
 
-    from envace_jax.evaluation import by_family
+    from envace_jax.train.evaluation import by_family
 
     def task(family):
         return types.SimpleNamespace(metadata={"family": family} if family else {})

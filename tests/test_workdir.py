@@ -13,15 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from envace_jax import interrupts
 from envace_jax.configuration import base_config
-from envace_jax.locks import LockHeld, PidLock
-from envace_jax.workdir import RunDir, run_dirs
+from envace_jax.runtime import interrupts
+from envace_jax.runtime.locks import LockHeld, PidLock
+from envace_jax.runtime.workdir import RunDir, run_dirs
 
 HOLD = textwrap.dedent(
     """
     import sys, time
-    from envace_jax.locks import PidLock
+    from envace_jax.runtime.locks import PidLock
     PidLock(sys.argv[1]).acquire()
     print("held", flush=True)
     time.sleep(600)

@@ -18,7 +18,7 @@
 #   --help                 this text
 #
 # MAIN_FLAGS go to envace_jax.main (and --config.* overrides to the planner too). First, on
-# worker 0, `python -m envace_jax.plan` checks that the config fits the slice and the launch
+# worker 0, `python -m envace_jax.planner` checks that the config fits the slice and the launch
 # stops if it does not. Then every worker starts tpu_scripts/worker_run.sh in the background.
 # Rerunning the same command resumes from the newest checkpoint.
 #
@@ -58,7 +58,7 @@ done
 
 src="cd \"\$HOME/envace/src\""
 if [[ ${OPT_SKIP_PLAN:-0} != 1 ]]; then
-  plan="$src && \"\$HOME/envace/venv/bin/python\" -m envace_jax.plan \
+  plan="$src && \"\$HOME/envace/venv/bin/python\" -m envace_jax.planner \
 $(quote --config="$OPT_CONFIG" --topology="$accelerator" ${overrides[@]+"${overrides[@]}"})"
   run gcloud compute tpus tpu-vm ssh "$OPT_NAME" --worker=0 "${GCLOUD_COMMON[@]}" --command="$plan"
 fi

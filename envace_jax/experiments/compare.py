@@ -8,7 +8,7 @@
 Every arm (`verdicts.ARMS`: the training modes, EnvACE in both rehearsal views, and the
 corrupted worlds of the sensitivity control; or those `--modes` names) x seeds, with the same
 budget. Every run evaluates its final policy the same way (greedy and avg@4 on held-out *test*
-tasks, `envace_jax.evaluation`, overall and per stratum; the warm start's evaluation is the
+tasks, `envace_jax.train.evaluation`, overall and per stratum; the warm start's evaluation is the
 `sft_only` arm's), and claims are judged on avg@4. Writes `results.md` (tables, the
 sensitivity bars and the claim-by-claim verdicts), `results.csv` (one line per run) and
 `results.png` (bars) into DIR; each run keeps its own workdir under DIR/runs/.
@@ -48,7 +48,7 @@ from envace_jax.experiments.verdicts import (
     summarize,
     write_csv,
 )
-from envace_jax.metrics import read_metrics
+from envace_jax.runtime.metrics import read_metrics
 
 SEEDS = ("0", "1", "2")
 
@@ -154,7 +154,7 @@ def run_one(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
-    from envace_jax.trainer import Trainer
+    from envace_jax.train.trainer import Trainer
 
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:

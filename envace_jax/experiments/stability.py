@@ -21,7 +21,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from envace_jax.experiments import compare
-from envace_jax.metrics import read_metrics
+from envace_jax.runtime.metrics import read_metrics
 
 TOLERANCE = 0.02  # a run holds when its last evaluation is at most this far below its best
 SCORE = "success"  # greedy success: a curve point costs one execution per task

@@ -25,7 +25,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "guesser": {"mode": "corrupted_world", "rollout.corruption": "guesser"},
     "blind": {"mode": "corrupted_world", "rollout.corruption": "blind"},
 }
-# Held-out scores of each run (`envace_jax.evaluation`): success greedy and avg@4, and the rest.
+# Held-out scores of each run (`train.evaluation`): success greedy and avg@4, and the rest.
 METRICS = ("success", "success_avg4", "reward", "fidelity", "tool_error_rate", "invalid_rate")
 # Where a claim is judged: all tasks, and each stratum (`envs.demo.tasks`), whose success a
 # run's evaluation writes as `stratum_success[_avg4]/<stratum>`.

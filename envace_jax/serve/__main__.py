@@ -6,7 +6,7 @@ and ends an assistant message with a special token is served (`text.serving_temp
 are offered where the template renders them. The server binds 127.0.0.1 unless told
 otherwise; `--port 0` picks a free port, and `--port-file F` writes the bound port to F once the
 server accepts requests, and removes it on exit. F belongs to one live server: a second server
-given it refuses to start (F.lock holds the owner's PID, `envace_jax.locks`). The port is taken
+given it refuses to start (F.lock holds the owner's PID, `runtime.locks`). The port is taken
 before the model loads, so a busy port is one line at once. SIGINT / SIGTERM shut down
 gracefully: no new connections, running requests finish (up to `--graceful-timeout` seconds),
 and those still running then are answered with a 503 JSON error (a stream: its last event,
@@ -28,7 +28,7 @@ import signal
 import socket
 import sys
 
-from envace_jax.locks import LockHeld, PidLock
+from envace_jax.runtime.locks import LockHeld, PidLock
 from envace_jax.serve.limits import Limits
 
 log = logging.getLogger("envace_jax.serve")

@@ -25,7 +25,7 @@ The memory of a budget b uses attempts 1..b (`memories(..., budget=b)`), so one 
 n attempts serves every budget b <= n: in parallel mode the first b of n i.i.d. attempts are b
 i.i.d. attempts, and in sequential mode attempts 1..b are exactly what a run with n = b makes.
 The memory is inserted into the committed run's prompt by `memory.insert_memory` (the format
-is documented in `envace_jax.rollout.memory`).
+is documented in `envace_jax.testtime.memory`).
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from envace_jax.rollout import memory as mem
 from envace_jax.rollout.episodes import build_episodes
 from envace_jax.rollout.real_env import RealEpisode, real_env_rollouts
 from envace_jax.sampling.chat_spec import later_user_turns, turn_spec
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.sampler import Sampler
+from envace_jax.testtime import memory as mem
 from envace_jax.text.chat import decode, render
 from envace_jax.text.codes import Role
 from envace_jax.text.role_pieces import prompt_ids
@@ -87,7 +87,7 @@ class TestTimeRehearsal:
     """Test-time rehearsal for one policy architecture; parameters are passed per call, so the
     rehearser and the executor may be different checkpoints of the same model.
 
-    memory: 'structured' or 'summary' (see `envace_jax.rollout.memory`). assessor: 'rules' or
+    memory: 'structured' or 'summary' (see `envace_jax.testtime.memory`). assessor: 'rules' or
     'policy'. sampling: how attempts are sampled (assessments and summaries are greedy).
     max_new_tokens: token budget of one attempt. max_memory_tokens: budget of a
     policy-written assessment or summary. commit_rows: committed runs decoded at once (memory

@@ -1,7 +1,7 @@
 """Memory planner: will this job fit on this TPU slice? Answered before anything is allocated.
 
-    python -m envace_jax.plan --config configs/qwen3_8b.py --topology v5p-32
-    python -m envace_jax.plan --config configs/qwen3_1p7b.py:v5e-8 --topology v5e-8 \
+    python -m envace_jax.planner --config configs/qwen3_8b.py --topology v5p-32
+    python -m envace_jax.planner --config configs/qwen3_1p7b.py:v5e-8 --topology v5e-8 \
         --config.grpo.micro_batches=64
 
 Prints, per device, the bytes of the parameters, optimizer state, gradients, activations (with

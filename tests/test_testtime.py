@@ -13,7 +13,8 @@ import pytest
 
 from envace_jax.envs.base import result_text
 from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks
-from envace_jax.rollout import memory as mem
+from envace_jax.testtime import demonstrations as demos
+from envace_jax.testtime import memory as mem
 from envace_jax.text.codes import Role, Status
 from envace_jax.text.tokenizer import load_tokenizer
 from tests.conftest import demo_config
@@ -164,9 +165,9 @@ def _segment_texts(tok, enc):
 def test_memory_demonstrations_keep_the_targets_and_put_the_memory_in_the_prompt(tok, tasks):
     some = tasks[:40]
     plain = demonstrations(some, tok)
-    with_memory = mem.memory_demonstrations(some, tok, DemoEnv, fraction=0.5, seed=3)
+    with_memory = demos.memory_demonstrations(some, tok, DemoEnv, fraction=0.5, seed=3)
     assert 10 <= len(with_memory) <= 30  # about half
-    again = mem.memory_demonstrations(some, tok, DemoEnv, fraction=0.5, seed=3)
+    again = demos.memory_demonstrations(some, tok, DemoEnv, fraction=0.5, seed=3)
     assert again.keys() == with_memory.keys()  # deterministic in the seed
     assert all(np.array_equal(again[i].ids, with_memory[i].ids) for i in again)
     for i, enc in with_memory.items():
@@ -176,9 +177,9 @@ def test_memory_demonstrations_keep_the_targets_and_put_the_memory_in_the_prompt
         assert mem.HEADER in context
         first_act = np.flatnonzero(enc.roles == Role.ACT)[0]
         assert mem.HEADER in tok.decode(enc.ids[:first_act].tolist())
-    assert mem.memory_demonstrations(some, tok, DemoEnv, fraction=0.0, seed=3) == {}
+    assert demos.memory_demonstrations(some, tok, DemoEnv, fraction=0.0, seed=3) == {}
     with pytest.raises(ValueError, match="fraction"):
-        mem.memory_demonstrations(some, tok, DemoEnv, fraction=1.5, seed=3)
+        demos.memory_demonstrations(some, tok, DemoEnv, fraction=1.5, seed=3)
 
 
 def _plan_of(text):
@@ -196,7 +197,7 @@ def test_warm_start_memory_variants_against_a_real_replay(tasks):
     environment gives to that plan."""
     kinds = {"exact": 0, "expectation": 0, "plan": 0}
     for i, task in enumerate(tasks):
-        text = mem.warm_start_memory(random.Random(i), task, DemoEnv)
+        text = demos.warm_start_memory(random.Random(i), task, DemoEnv)
         plan = _plan_of(text)
         ref = oracle_attempt(task)
         ref_calls = [(n, a) for n, a in ref.calls]
@@ -205,7 +206,7 @@ def test_warm_start_memory_variants_against_a_real_replay(tasks):
         resp = [r for _, _, r in plan]
         m = re.search(r"plan \((\d+) of (\d+) rehearsals\)", text)
         support, total = int(m.group(1)), int(m.group(2))
-        assert 1 <= support <= total and total in mem.BUDGETS
+        assert 1 <= support <= total and total in demos.BUDGETS
         if calls == ref_calls and resp == ref_resp:
             kinds["exact"] += 1
         elif calls == ref_calls:
@@ -301,8 +302,8 @@ def memorised(tok):
 
 def _greedy_rehearsal(model, tok, **kwargs):
     """Greedy test-time rehearsal with budgets that fit the memorising policy's tasks."""
-    from envace_jax.rollout.test_time import TestTimeRehearsal
     from envace_jax.sampling.distributions import SamplingParams
+    from envace_jax.testtime.rehearsal import TestTimeRehearsal
 
     return TestTimeRehearsal(
         model,
@@ -318,7 +319,7 @@ def _greedy_rehearsal(model, tok, **kwargs):
 @pytest.mark.slow  # trains the memorising policy (about a minute on two CPU cores)
 def test_rehearsals_leave_the_real_environment_untouched(memorised, tok, monkeypatch):
     from envace_jax.envs.demo import STATE_CHANGING
-    from envace_jax.rollout.test_time import REHEARSAL_STRATEGIES
+    from envace_jax.testtime.rehearsal import REHEARSAL_STRATEGIES
 
     model, params, tasks = memorised
     executed_calls = []
@@ -416,7 +417,7 @@ def loaded_random_qwen3(tmp_path_factory, tok):
 def test_both_modes_form_and_insert_the_memory_with_a_loaded_random_qwen3(
     loaded_random_qwen3, tok, memory, assessor
 ):
-    from envace_jax.rollout.test_time import REHEARSAL_STRATEGIES, TestTimeRehearsal
+    from envace_jax.testtime.rehearsal import REHEARSAL_STRATEGIES, TestTimeRehearsal
 
     model, params = loaded_random_qwen3
     tasks = generate_tasks(1, 2, "test")
@@ -473,7 +474,11 @@ def test_both_modes_form_and_insert_the_memory_with_a_loaded_random_qwen3(
 
 def test_rehearsal_config_errors_name_the_key(tmp_path):
     from envace_jax.configuration import ConfigError, validate
-    from envace_jax.rehearsal_eval import RehearsalEvalError, check_architecture, train_dirs
+    from envace_jax.testtime.rehearsal_eval import (
+        RehearsalEvalError,
+        check_architecture,
+        train_dirs,
+    )
 
     config = demo_config("rehearsal_eval")
     assert config.job == "rehearsal_eval"

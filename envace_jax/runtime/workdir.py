@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from envace_jax import checkpoint as ckpt_lib
 from envace_jax.models.hf_io import save_hf_model
 from envace_jax.rl.optim import OptimConfig, make_optimizer
 from envace_jax.rl.steps import TrainState, make_shardings
 from envace_jax.rollout.modes import mode_spec
+from envace_jax.runtime import checkpoint as ckpt_lib
 
 CHECKPOINTS = "checkpoints"
 WARM_START_DIR = "warm_start"

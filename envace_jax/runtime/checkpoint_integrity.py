@@ -1,4 +1,4 @@
-"""What a checkpoint holds, checked (`envace_jax.checkpoint`): the state's leaves, the JSON
+"""What a checkpoint holds, checked (`envace_jax.runtime.checkpoint`): the state's leaves, the JSON
 meta, and the `integrity` item: key path, shape, dtype and a 64-bit content checksum of every
 leaf.
 

@@ -49,15 +49,11 @@ import jax
 import ml_collections
 from flax import nnx
 
-from envace_jax import evaluation, interrupts, parallel, report, warm_start_data
-from envace_jax.build import build_mesh, build_model, build_tokenizer
+from envace_jax import parallel
 from envace_jax.configuration import step_configs
 from envace_jax.data.stream import TaskStream, length_grouped_batch
-from envace_jax.diagnostics import build_copy_probe, copy_metrics
 from envace_jax.envs.base import CallCounter
 from envace_jax.envs.registry import domain
-from envace_jax.evaluation import eval_from_dict
-from envace_jax.metrics import MetricsWriter, Progress, truncate_metrics
 from envace_jax.rewards.judges import build_judge
 from envace_jax.rl.batch import pad_to_bucket, smallest_fitting_bucket
 from envace_jax.rl.optim import make_optimizer
@@ -70,9 +66,10 @@ from envace_jax.rl.steps import (
     make_shardings,
     shard_batch,
 )
-from envace_jax.sampling.distributions import SamplingParams
-from envace_jax.strategies import RolloutSetup, strategy
-from envace_jax.workdir import (
+from envace_jax.runtime import interrupts
+from envace_jax.runtime.build import build_mesh, build_model, build_tokenizer
+from envace_jax.runtime.metrics import MetricsWriter, Progress, truncate_metrics
+from envace_jax.runtime.workdir import (
     EVAL_KEYS,
     WARM_START_KEYS,
     RunDir,
@@ -82,6 +79,11 @@ from envace_jax.workdir import (
     params_target,
     phase_at,
 )
+from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.train import evaluation, report, warm_start_data
+from envace_jax.train.diagnostics import build_copy_probe, copy_metrics
+from envace_jax.train.evaluation import eval_from_dict
+from envace_jax.train.strategies import RolloutSetup, strategy
 
 
 class TrainingDiverged(RuntimeError):
@@ -303,7 +305,7 @@ class Trainer:
         return state
 
     def _copy_metrics(self, params) -> dict[str, float]:
-        """Teacher-forced accuracy on held-out demonstrations (`envace_jax.diagnostics`): does
+        """Teacher-forced accuracy on held-out demonstrations (`envace_jax.train.diagnostics`): does
         the policy copy ids and amounts yet? Single-process runs only (the probe batch is a
         host array, not a global one)."""
         if jax.process_count() > 1:
@@ -323,7 +325,7 @@ class Trainer:
 
     def evaluate(self, params, tasks, key, greedy_only: bool = False):
         """Committed execution of `tasks` in the real environment by the ACT params (greedy and
-        avg@4, `envace_jax.evaluation`), and the fidelity of the REHEARSE player (whoever
+        avg@4, `envace_jax.train.evaluation`), and the fidelity of the REHEARSE player (whoever
         rehearses in this mode); or, `eval.kind` 'checklist', the judge's checklist score of
         rehearsed episodes (avg@k, pass@k; `greedy_only` does not apply)."""
         if self.eval_kind == "checklist":

@@ -20,7 +20,7 @@ import numpy as np
 from envace_jax.envs.registry import Domain
 from envace_jax.rl.batch import from_numpy
 from envace_jax.rollout.grounded import simulator_demonstrations
-from envace_jax.rollout.memory import memory_demonstrations
+from envace_jax.testtime.demonstrations import memory_demonstrations
 
 
 def demonstrations(config, domain: Domain, tasks: Sequence, tokenizer) -> list:

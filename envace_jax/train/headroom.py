@@ -22,12 +22,12 @@ import jax
 import ml_collections
 
 from envace_jax.envs.registry import domain
-from envace_jax.evaluation import headroom
-from envace_jax.metrics import table
-from envace_jax.rehearsal_eval import workdir_policies
+from envace_jax.runtime.metrics import table
 from envace_jax.sampling.chat_spec import turn_spec
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.sampler import Sampler
+from envace_jax.testtime.rehearsal_eval import workdir_policies
+from envace_jax.train.evaluation import headroom
 
 
 def headroom_table(by_policy: dict[str, dict[str, dict[str, float]]], k: int) -> str:

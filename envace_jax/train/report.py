@@ -7,8 +7,8 @@ import json
 import os
 from collections.abc import Sequence
 
-from envace_jax.evaluation import ChecklistEval, EvalResult
-from envace_jax.metrics import plot_curves, read_metrics, table
+from envace_jax.runtime.metrics import plot_curves, read_metrics, table
+from envace_jax.train.evaluation import ChecklistEval, EvalResult
 
 CURVES = [
     ("rl", "rollout_reward", "rollout reward (train)"),

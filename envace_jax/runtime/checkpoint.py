@@ -63,7 +63,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from envace_jax.checkpoint_integrity import (
+from envace_jax.runtime.checkpoint_integrity import (
     abstract_tree,
     describe,
     integrity_item,

@@ -48,14 +48,11 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from envace_jax import checkpoint as ckpt_lib
-from envace_jax.build import build_mesh, build_model, build_tokenizer
 from envace_jax.envs.registry import domain
-from envace_jax.metrics import table
-from envace_jax.rollout import memory as mem
-from envace_jax.rollout.test_time import REHEARSAL_STRATEGIES, Committed, TestTimeRehearsal
-from envace_jax.sampling.distributions import SamplingParams
-from envace_jax.workdir import (
+from envace_jax.runtime import checkpoint as ckpt_lib
+from envace_jax.runtime.build import build_mesh, build_model, build_tokenizer
+from envace_jax.runtime.metrics import table
+from envace_jax.runtime.workdir import (
     ARCH_KEYS,
     checkpoint_target,
     config_differences,
@@ -63,6 +60,9 @@ from envace_jax.workdir import (
     find_warm_start,
     run_dirs,
 )
+from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.testtime import memory as mem
+from envace_jax.testtime.rehearsal import REHEARSAL_STRATEGIES, Committed, TestTimeRehearsal
 
 REHEARSERS = ("EnvACE", "warm-start")
 
