@@ -8,7 +8,9 @@ import time
 import numpy as np
 
 from envace_jax.sampling.distributions import SamplingParams
-from envace_jax.serve.batcher import Done, Engine, Sequence, Tokens, half_octave_bucket
+from envace_jax.serve.batch_state import half_octave_bucket
+from envace_jax.serve.batcher import Engine
+from envace_jax.serve.sequences import Done, Sequence, Tokens
 
 
 def test_bucket_takes_two_sizes_per_octave():
@@ -170,7 +172,7 @@ def test_buffer_grows_as_rows_write_and_tokens_match_a_full_buffer():
     """Rows are admitted with a reserve, not their whole budget; the buffer grows before a chunk
     that needs room, and later arrivals grow it too. Greedy tokens equal those of one decode in
     a buffer sized to the whole budget from the start."""
-    from envace_jax.serve.batcher import RESERVE_TOKENS
+    from envace_jax.serve.sequences import RESERVE_TOKENS
 
     # The long row must outgrow the reserve.
     run = _Budgets({(5, 6, 7): RESERVE_TOKENS + 300, (9, 10, 11, 12): 40})

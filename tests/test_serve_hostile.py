@@ -486,13 +486,3 @@ def test_a_reply_that_is_no_call_says_why(reply, why):
 
     call, problem = read_call(reply, WEATHER)
     assert call is None and why in problem
-
-
-def test_a_forced_call_that_the_model_does_not_write_is_an_error_that_says_why(http):
-    """With a tool the planted model knows nothing about, the forced reply is random text:
-    the answer is an error naming the reason, never the text as content."""
-    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
-    body = chat("Weather?", tools=[tool], tool_choice="required", max_tokens=8, temperature=0)
-    err = error_of(http.post("/v1/chat/completions", json=body), 500)
-    assert err["type"] == "model_error" and "forces a tool call" in err["message"]
-    assert "request id req-" in err["message"]

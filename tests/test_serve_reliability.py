@@ -218,7 +218,7 @@ class _FaultyEngine:
         pass
 
     def submit(self, seq):
-        from envace_jax.serve.batcher import Done
+        from envace_jax.serve.sequences import Done
 
         if self.raise_on_submit:
             raise ZeroDivisionError("secret detail of a bug")

@@ -334,7 +334,7 @@ def test_a_broken_grammar_fails_its_own_sequence_only():
     import threading
 
     from envace_jax.serve.__main__ import build_server, parse_args
-    from envace_jax.serve.batcher import Done, Sequence, Tokens
+    from envace_jax.serve.sequences import Done, Sequence, Tokens
     from envace_jax.text.chat import encode, render_text
 
     args = parse_args(["--model", DEMO_BASE_DIR, "--tokenizer", "demo", "--max-batch", "4"])

@@ -52,8 +52,9 @@ def build_server(args: argparse.Namespace):
     app, ServerConfig)."""
     from envace_jax.models.hf_io import load_hf_model
     from envace_jax.sampling.loop import TurnSpec
-    from envace_jax.serve.app import ServerConfig, create_app
+    from envace_jax.serve.app import create_app
     from envace_jax.serve.batcher import Engine
+    from envace_jax.serve.config import ServerConfig
     from envace_jax.text.serving_template import serving_template
     from envace_jax.text.tokenizer import load_tokenizer
 

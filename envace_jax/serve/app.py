@@ -22,7 +22,6 @@ sharing the application's `state.ServerState`; `streaming` writes server-sent ev
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -32,34 +31,11 @@ from envace_jax.serve import protocol as P
 from envace_jax.serve.batcher import Engine
 from envace_jax.serve.chat import chat
 from envace_jax.serve.completions import completions
-from envace_jax.serve.limits import Limits
+from envace_jax.serve.config import ServerConfig
 from envace_jax.serve.middleware import ApiKey, BodyLimit
 from envace_jax.serve.prompts import Prompts, longest_token_chars
 from envace_jax.serve.state import ServerState, server
 from envace_jax.serve.structured import StructuredOutput
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    """What the HTTP layer needs besides the engine and the tokenizer.
-
-    model_name: the id `/v1/models` lists; aliases: other names requests may use (e.g. the
-      model directory). max_model_len: prompt + completion tokens allowed per request.
-    default_max_tokens: completion budget of chat requests that set none (None: the rest of
-      the context). api_key: required as `Authorization: Bearer KEY` when set.
-    limits: request sizes and times (`limits.Limits`; the connection limits are enforced by
-      the HTTP layer, `connections`).
-    max_prompt_chars: longer prompt text is refused before it is tokenized (see `prompts`;
-      None: max_model_len times the tokenizer's longest token).
-    """
-
-    model_name: str
-    max_model_len: int
-    aliases: tuple[str, ...] = ()
-    default_max_tokens: int | None = None
-    api_key: str | None = None
-    limits: Limits = Limits()
-    max_prompt_chars: int | None = None
 
 
 def create_app(engine: Engine, tokenizer, config: ServerConfig):

@@ -1,28 +1,31 @@
 """`POST /v1/chat/completions`: messages and tools in; content and parsed tool calls out.
 
 A reply whose tool-call blocks parse is returned as `tool_calls` (finish reason `tool_calls`),
-anything else as plain content. A call forced by `tool_choice` is always returned as a call, or
-answered with an error saying why there is none (`forced`). Streaming sends content as it is
-generated, holding back everything from the first tool-call block on, and the parsed calls in
-one delta at the end. A `response_format` of type `json_schema` or `json_object` constrains the
-reply while it is decoded (`structured`); it is then returned as content, unparsed for calls.
-So does a forced call of a function with `strict: true` (its arguments valid against its
-parameters).
+anything else as plain content. A call forced by `tool_choice` is decoded under its tool's
+schema (`structured.compile_call`), so it is returned as a call; one that `max_tokens` cuts
+before it can be read is returned as it stands, as content with finish reason `length` (what
+the model wrote never makes a 500). Streaming sends content as it is generated, holding back
+everything from the first tool-call block on, and the parsed calls in one delta at the end. A
+`response_format` of type `json_schema` or `json_object` constrains the reply while it is
+decoded (`structured`); it is then returned as content, unparsed for calls.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 
 from fastapi import Request
 
-from envace_jax.serve import errors, forced
+from envace_jax.serve import forced
 from envace_jax.serve import protocol as P
 from envace_jax.serve.state import GONE, Choice, envelope, finish_reason, server
 from envace_jax.serve.streaming import progress, sse, usage_chunk
 from envace_jax.serve.text_stream import ChoiceText
 from envace_jax.text.tool_calls import CALL_OPEN, parse_tool_calls
+
+log = logging.getLogger("envace_jax.serve")
 
 
 async def chat(req: P.ChatCompletionRequest, request: Request):
@@ -40,7 +43,7 @@ async def chat(req: P.ChatCompletionRequest, request: Request):
                 param="response_format",
             )
         parse_calls = False  # the reply is the JSON content
-    elif prefix and state.structured is not None:  # a forced call of a strict function
+    elif prefix and state.structured is not None:  # a forced call: its JSON under its schema
         named = (
             req.tool_choice.function.name
             if isinstance(req.tool_choice, P.NamedToolChoice)
@@ -110,14 +113,15 @@ def _end_of_call(prefix: str, text: str) -> int | None:
 
 def _parsed_calls(c: Choice, parse_calls: bool, parallel: bool | None, tools):
     """(content, OpenAI tool calls or None) of a finished choice. A forced call that the reply
-    does not give is an error that says why (`forced`)."""
+    does not give (cut by `max_tokens`, or decoded free) is the reply as content."""
     full = c.prefix + c.text.text
     if not parse_calls:
         return full, None
     if c.prefix:
         call, why = forced.read_call(full, tools)
-        if call is None:
-            raise errors.model_error(f"tool_choice forces a tool call, but {why}", full)
+        if call is None:  # the model's doing, not the server's: a 200 that shows it
+            log.warning("tool_choice forces a tool call, but %s; answered as content", why)
+            return full, None
         arguments = json.dumps(call["arguments"], ensure_ascii=False)
         function = {"name": call["name"], "arguments": arguments}
         call_id = "call_" + uuid.uuid4().hex[:24]

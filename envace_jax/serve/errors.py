@@ -51,16 +51,6 @@ def server_fault(what: str, detail: BaseException | str) -> P.APIError:
     )
 
 
-def model_error(what: str, reply: str) -> P.APIError:
-    """A 500 for a reply that cannot be what the request asked for (a forced tool call that
-    is none): `what` says why; the whole reply goes to the log under the request id."""
-    rid = "req-" + uuid.uuid4().hex[:16]
-    log.warning("request %s: %s; the reply: %r", rid, what, reply)
-    return P.APIError(
-        500, f"{what} (request id {rid})", type="model_error", code="invalid_tool_call"
-    )
-
-
 def shut_down() -> P.APIError:
     """The answer to a request still running when a forced shutdown ends it (503, with a
     request id under which the log names it)."""

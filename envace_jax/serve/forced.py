@@ -8,13 +8,16 @@ the tool's JSON schema into the arguments, or writes on after the call. The serv
   it is known (a named function, or 'required' with one tool), the arguments' opening brace,
   and the first required argument's key (with its opening quote for a string): the model then
   fills in values rather than restating the schema;
+* decodes the rest of the call under the tools' JSON schemas (`structured.compile_call`), so
+  the model can only write a call of one of them;
 * ends the reply as soon as the call's JSON object is complete (`json_end`), whatever follows;
 * reads the call from that JSON (`read_call`), closing it where the reply was cut by its token
   budget (`close_json`: an open string, array or object is closed, a key without a value
   dropped).
 
-A reply that still gives no call with a name among the tools and an object of arguments is
-answered with an error that says why (`errors.model_error`), never as plain content.
+A reply that still gives no call with a name among the tools and an object of arguments (cut
+too early by `max_tokens`, or decoded free where no grammar fits) is answered as it stands, as
+content with its finish reason (`length` when cut): what the model wrote is never a 500.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import weakref
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -20,13 +21,14 @@ from fastapi.responses import Response
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.serve import errors
 from envace_jax.serve import protocol as P
-from envace_jax.serve.batcher import Done, Engine, Tokens
-from envace_jax.serve.batcher import Sequence as EngineSeq
+from envace_jax.serve.batcher import Engine
+from envace_jax.serve.config import ServerConfig
 from envace_jax.serve.prompts import Prompts
+from envace_jax.serve.sequences import Done, Tokens
+from envace_jax.serve.sequences import Sequence as EngineSeq
 from envace_jax.serve.text_stream import ChoiceText
 
-if TYPE_CHECKING:
-    from envace_jax.serve.app import ServerConfig
+log = logging.getLogger("envace_jax.serve")
 
 
 @dataclasses.dataclass(eq=False)
@@ -152,26 +154,34 @@ class ServerState:
 
     async def run_all(self, choices: list[Choice], request: Request) -> bool:
         """Runs the choices to their end; False if the client disconnected first (the rows
-        are then cancelled)."""
-
-        async def one(c):
-            while await self.pump(c):
-                pass
-
-        work = asyncio.ensure_future(asyncio.gather(*(one(c) for c in choices)))
+        are then cancelled, and one quiet line logged)."""
+        # One task per choice, not a gather: a cancelled gather keeps a CancelledError no one
+        # retrieves, which asyncio logs with a traceback at every hang-up.
+        work = [asyncio.ensure_future(self._drain(c)) for c in choices]
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-            if work.done():
-                work.result()  # raises what the work raised
-                return True
-            return False
+            while not all(t.done() for t in work):
+                await asyncio.wait((*work, gone), return_when=asyncio.FIRST_COMPLETED)
+                for t in work:
+                    if t.done():
+                        t.result()  # raises what the choice raised
+                if gone.done() and not all(t.done() for t in work):
+                    log.info("client disconnected; %d row(s) cancelled", len(choices))
+                    return False
+            return True
         finally:
-            for task in (work, gone):
+            for task in (*work, gone):
                 task.cancel()
+            for t in work:  # retrieved: a second choice's error is not logged as unhandled
+                if t.done() and not t.cancelled():
+                    t.exception()
             for c in choices:
                 if c.done is None:
                     self.engine.cancel(c.seq)
+
+    async def _drain(self, choice: Choice) -> None:
+        while await self.pump(choice):
+            pass
 
 
 def choice_sampling(sampling: SamplingParams, seed: int, index: int) -> SamplingParams:

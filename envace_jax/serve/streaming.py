@@ -28,16 +28,22 @@ async def progress(
     `events(i, more)` for every choice i that advanced; `more` is False once the choice is done
     (its last text is in by then)."""
     pending = {asyncio.ensure_future(state.pump(c)): i for i, c in enumerate(choices)}
-    while pending:
-        yield FLUSH
-        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        for fut in done:
-            i = pending.pop(fut)
-            more = fut.result()
-            for ev in events(i, more):
-                yield ev
-            if more:
-                pending[asyncio.ensure_future(state.pump(choices[i]))] = i
+    try:
+        while pending:
+            yield FLUSH
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                more = fut.result()
+                for ev in events(i, more):
+                    yield ev
+                if more:
+                    pending[asyncio.ensure_future(state.pump(choices[i]))] = i
+    finally:  # a hang-up or an error: the other choices' waits end quietly, not left pending
+        for fut in pending:
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # retrieved: asyncio would log it with a traceback
+            fut.cancel()
 
 
 def usage_chunk(obj: str, rid: str, model_name: str, prompt_tokens: int, choices) -> dict:

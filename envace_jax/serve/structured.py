@@ -22,11 +22,13 @@ out first it ends with `length` and may not parse (as OpenAI's does).
   with the library's reason; so is a schema that is not a JSON object.
 * The reply is content only: tool calls are not parsed from it, and a `tool_choice` that
   forces a call cannot be combined with a `response_format` (a 400).
-* Strict function calling: a call forced by `tool_choice` ('required', or a named function;
-  `forced`) of a function with `strict: true` decodes its JSON under the same mechanism, the
-  arguments valid against the function's `parameters` (`compile_call`); with 'required' and
-  several tools, the name is one of theirs and the arguments those of the strict ones. A
-  call the model chooses to make (`tool_choice` 'auto') is not constrained.
+* Forced function calls: a call forced by `tool_choice` ('required', or a named function;
+  `forced`) decodes its JSON under the same mechanism, so that a finished call always parses
+  (a model's reply is never an error), the arguments valid against the function's
+  `parameters` (`compile_call`); with 'required' and several tools, the name is one of
+  theirs. A `strict: true` function's schema must be usable (a 400 otherwise); a non-strict
+  function's arguments are any JSON object where the library cannot use its schema. A call
+  the model chooses to make (`tool_choice` 'auto') is not constrained.
 * Log-probs of constrained tokens are those of the masked (renormalised) distribution the
   token was sampled from.
 
@@ -201,34 +203,44 @@ class StructuredOutput:
 
     def compile_call(self, tools: list[dict], name: str | None, prefix: str):
         """The grammar of a forced tool call (`tool_choice` 'required' or a named function,
-        `forced.prefix`) whose function is `strict`: the rest of the call's JSON, arguments
-        valid against the function's parameters. None when no candidate function is strict.
-        `prefix` (the call's start, already in the prompt) is consumed by the matcher."""
+        `forced.prefix`): the rest of the call's JSON, so that a finished call always parses.
+        Arguments follow the function's `parameters`: a `strict` function's must compile (a
+        400 naming them); a non-strict function's fall back to any JSON object where the
+        library cannot use them. `prefix` (the call's start, already in the prompt) is
+        consumed by the matcher. None (the call is decoded free, `forced` reads it) where no
+        grammar fits a call of non-strict functions."""
         candidates = [
             (i, t["function"])
             for i, t in enumerate(tools)
             if name is None or t["function"]["name"] == name
         ]
-        if not any(f.get("strict") for _, f in candidates):
-            return None
+        strict = [i for i, f in candidates if f.get("strict")]
+        param = f"tools[{(strict or [candidates[0][0]])[0]}].function.parameters"
+        try:
+            ll_tokenizer = self.ll_tokenizer(param)
+        except P.APIError:
+            if strict:
+                raise
+            return None  # a tokenizer the library cannot read: free decoding, as before
         first_key = None
         head = '"arguments": {"'
         if head in prefix:
             first_key = json.loads('"' + prefix.split(head, 1)[1].split('"', 1)[0] + '"')
-        calls = [_call_schema(f, first_key) for _, f in candidates]
-        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        grammar = 'start: "\\n" %json ' + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
-        strict = [i for i, f in candidates if f.get("strict")]
-        param = f"tools[{strict[0]}].function.parameters"
-        ll_tokenizer = self.ll_tokenizer(param)
-        matcher = llguidance_matcher(ll_tokenizer, grammar)
-        if matcher.is_error():
-            raise _bad(param, f"not a usable JSON schema: {_first_lines(matcher.get_error())}")
         rest = prefix[len(CALL_OPEN) :] if prefix.startswith(CALL_OPEN) else prefix
-        if not matcher.consume_tokens(ll_tokenizer.tokenize_str(rest)):
-            log.warning("a strict forced call's prefix %r does not fit its grammar", prefix)
-            return None
-        return CompiledGrammar(matcher, self.words)
+        error = None
+        for loose in (False, True):  # loose: non-strict arguments as any object
+            calls = [_call_schema(f, first_key, loose) for _, f in candidates]
+            schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+            grammar = 'start: "\\n" %json ' + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+            matcher = llguidance_matcher(ll_tokenizer, grammar)
+            if matcher.is_error():
+                error = _first_lines(matcher.get_error())
+            elif matcher.consume_tokens(ll_tokenizer.tokenize_str(rest)):
+                return CompiledGrammar(matcher, self.words)
+        if error is not None and strict:
+            raise _bad(param, f"not a usable JSON schema: {error}")
+        log.warning("no grammar fits the forced call %r (%s); it is decoded free", prefix, error)
+        return None
 
 
 def llguidance_matcher(ll_tokenizer, grammar: str):
@@ -252,12 +264,13 @@ def _executor():
         return _EXECUTOR
 
 
-def _call_schema(function: dict, first_key: str | None) -> dict:
+def _call_schema(function: dict, first_key: str | None, loose: bool = False) -> dict:
     """The JSON schema of one call of `function` as the chat template writes it: {"name":
-    <its name>, "arguments": <its parameters if strict, else any object>}, with the argument
-    the forced prefix opens (`first_key`) declared first (properties are written in order)."""
+    <its name>, "arguments": <its parameters; any object if `loose` and it is not strict>},
+    with the argument the forced prefix opens (`first_key`) declared first (properties are
+    written in order)."""
     params: Any = {"type": "object"}
-    if function.get("strict"):
+    if function.get("strict") or not loose:
         params = copy.deepcopy(function.get("parameters") or {"type": "object", "properties": {}})
         props = params.get("properties") if isinstance(params, dict) else None
         if first_key is not None and isinstance(props, dict) and first_key in props:
