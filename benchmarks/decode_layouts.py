@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from envace_jax.models.decoder import apply_rope, init_cache, rms_norm, rope_tables
 from envace_jax.models.hf_io import load_hf_model
+from envace_jax.models.kv_cache import init_cache
+from envace_jax.models.primitives import apply_rope, rms_norm, rope_tables
 
 # The step decodes at position window - CONTEXT_GAP: 300 of 384, where sampler.py's rows are on
 # average (prompt 256 plus half of 128 new tokens, in windows of 384).

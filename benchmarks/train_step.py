@@ -27,7 +27,8 @@ import numpy as np
 from flax import nnx
 
 from envace_jax.models.config import ModelConfig, get_preset
-from envace_jax.models.decoder import Decoder, query_blocks
+from envace_jax.models.decoder import Decoder
+from envace_jax.models.primitives import query_blocks
 from envace_jax.rl import steps, synthetic
 from envace_jax.rl.batch import TrajectoryBatch, pad, validate
 from envace_jax.rl.config import GRPOConfig

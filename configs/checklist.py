@@ -1,7 +1,7 @@
 """EnvACE in the paper's setting, at CPU size: task files, an LLM checklist judge, no environment.
 
 The training and validation tasks are files in the reference layout (the samples shipped in
-envace_jax/data/samples: demo-world tasks exported by `python -m envace_jax.data.export`, and
+envace_jax/data/samples: demo-world tasks exported by `python -m envace_jax.envs.export`, and
 hand-written multi-turn tasks). Rollouts are world rehearsal, the reward is the checklist
 score an LLM judge gives over HTTP, and held-out evaluation is the checklist score of
 rehearsed episodes (avg@k, pass@k): no environment is ever called. The judge here is the

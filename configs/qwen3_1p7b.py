@@ -1,15 +1,12 @@
-"""Qwen3-1.7B: EnvACE on Cloud TPU with the reference run's hyper-parameters (`_qwen3_tpu`).
+"""Qwen3-1.7B: EnvACE on Cloud TPU with the reference run's hyper-parameters
+(`envace_jax.planner.tpu_configs`).
 
 The checkpoint is the HF `Qwen/Qwen3-1.7B` directory. Variants are TPU slices (CONTEXTS), e.g.
 
   python -m envace_jax.main --config configs/qwen3_1p7b.py:v5p-16 --workdir ~/envace/run
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _qwen3_tpu, beside this file
-from _qwen3_tpu import qwen3_config  # noqa: E402
+from envace_jax.planner.tpu_configs import qwen3_config
 
 CHECKPOINT = "~/envace/models/Qwen3-1.7B"
 HOME = "v5p-16"

@@ -17,25 +17,11 @@ from typing import Any
 
 import ml_collections
 
-from envace_jax import knobs
+from envace_jax import knobs, modes
 from envace_jax.envs.base import CORRUPTIONS
 from envace_jax.envs.registry import DOMAINS
 from envace_jax.knobs import BOOL, Section, integer, knob, nested, number, one_of, text
 from envace_jax.rl.config import GRPOConfig, OptimConfig, SFTConfig, chunking_problem
-
-# Training modes (envace_jax.rollout.modes): 'envace' = shared-parameter world rehearsal; the
-# baselines 'envace_noshare', 'grpo_real_env', 'external_simulator', 'sft_only', and the
-# sensitivity control 'corrupted_world' (GRPO against a corrupted copy of the world).
-MODES = (
-    "envace",
-    "envace_noshare",
-    "grpo_real_env",
-    "external_simulator",
-    "corrupted_world",
-    "sft_only",
-)
-REHEARSAL_VIEWS = ("shared", "grounded")  # rollout.rehearsal_view (DESIGN: two views)
-
 
 JOBS = ("train", "rehearsal_eval", "headroom")  # What envace_jax.main runs (envace_jax.jobs).
 JUDGES = ("rule", "llm")  # judge.kind (envace_jax.rewards.judges)
@@ -160,7 +146,7 @@ class RolloutSection(Section):
     # policy in the trajectory's own sequence (the paper's formulation); 'grounded', the policy
     # from a simulator prompt with the task's logged tool responses (the reference's Tool
     # Simulator, `rollout.grounded`).
-    rehearsal_view: str = knob("shared", one_of(*REHEARSAL_VIEWS))
+    rehearsal_view: str = knob("shared", one_of(*modes.VIEWS))
     # Mode 'corrupted_world': how the copy of the world RL acts in is wrong ('redrawn': hidden
     # state redrawn from its distribution over tasks; 'optimist': no change is ever refused;
     # 'guesser': both; 'blind': every task's state redrawn, the shown state included) and the
@@ -260,7 +246,7 @@ class JobConfig(Section):
     """The whole job: its top-level knobs and one field per section."""
 
     seed: int = knob(0, integer(0))  # Seeds parameter init, task generation order, sampling.
-    mode: str = knob("envace", one_of(*MODES))  # Training mode, one of MODES.
+    mode: str = knob("envace", modes.RULE)  # Training mode: a row of envace_jax.modes.
     # What main runs: 'train' (the EnvACE job), 'rehearsal_eval' (see rehearsal) or 'headroom'
     # (greedy, pass@1 and pass@k of a trained workdir's policies).
     job: str = knob("train", one_of(*JOBS))
@@ -294,11 +280,7 @@ class JobConfig(Section):
         # that does not divide would otherwise fail at the first step of its phase, after the
         # work before it (a whole warm start, for the RL step).
         r = self.rollout
-        if r.rehearsal_view == "grounded" and self.mode in ("envace_noshare", "external_simulator"):
-            raise ValueError(
-                f"rollout.rehearsal_view = 'grounded' is for mode 'envace' (and the modes "
-                f"without rehearsal), not {self.mode!r}"
-            )
+        modes.lookup(self.mode, r.rehearsal_view)  # the pair must be a row of the mode table
         self._check_data()
         batches = (
             (self.sft, self.schedule.sft_batch_size, "schedule.sft_batch_size"),
@@ -328,7 +310,7 @@ class JobConfig(Section):
             return
         # Without an executable environment: nothing may need one.
         no_env = "data.env = 'files' has no executable environment"
-        if self.mode in ("grpo_real_env", "corrupted_world"):
+        if modes.lookup(self.mode).batch in ("environment", "corrupted"):
             raise ValueError(f"mode = {self.mode!r}: {no_env}")
         if self.job != "train":
             raise ValueError(f"job = {self.job!r}: {no_env}")

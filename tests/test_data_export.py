@@ -153,14 +153,14 @@ def test_export_rejects_other_suffixes(tmp_path):
 
 def test_export_cli(tmp_path):
     out = tmp_path / "val.parquet"
-    cmd = [sys.executable, "-m", "envace_jax.data.export", "--domain", "demo"]
+    cmd = [sys.executable, "-m", "envace_jax.envs.export", "--domain", "demo"]
     cmd += ["--split", "validation", "--tasks", "6", "--seed", "4", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"wrote 6 demo validation tasks (seed 4) to {out}\n"
     assert_same_tasks(load_tasks(out).tasks, generate_tasks(4, 6, "validation"))
     bad = subprocess.run(
-        [sys.executable, "-m", "envace_jax.data.export", "--domain", "nope", str(out)],
+        [sys.executable, "-m", "envace_jax.envs.export", "--domain", "nope", str(out)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -17,7 +17,7 @@ import torch
 from flax import nnx
 
 from envace_jax.models import Decoder, ModelConfig, init_cache, param_paths
-from envace_jax.models.decoder import rope_inv_freq
+from envace_jax.models.primitives import rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from envace_jax.configuration import base_config, validate
+from envace_jax.configuration import base_config, load, validate
 from envace_jax.envs.demo import demonstrations, generate_tasks
 from envace_jax.rl.advantages import compute_advantages
 from envace_jax.rl.batch import pad_to_bucket
@@ -222,7 +222,7 @@ def test_rl_in_world_rehearsal_calls_no_environment(tmp_path):
     from envace_jax.train.trainer import Trainer
 
     warm = str(tmp_path / "warm")
-    Trainer(_smoke("sft_only"), warm).run()
+    Trainer(load(_smoke("sft_only")), warm).run()
     calls = {}
     for name, mode, view in (
         ("grounded", "envace", "grounded"),
@@ -230,7 +230,7 @@ def test_rl_in_world_rehearsal_calls_no_environment(tmp_path):
         ("real", "grpo_real_env", "grounded"),
     ):
         workdir = tmp_path / name
-        Trainer(_smoke(mode, warm, view), str(workdir)).run()
+        Trainer(load(_smoke(mode, warm, view)), str(workdir)).run()
         rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
         per_step = [r["env_calls"] for r in rows if r["phase"] == "rl"]
         summary = json.loads((workdir / "summary.json").read_text())

@@ -117,14 +117,18 @@ def test_cache_row_methods_agree_between_types(models):
     assert back_p.max_len == 12
 
 
-def test_decoding_weights_convert_lazily_and_follow_set():
+def test_decoding_weights_convert_lazily_and_bind_new_params_without_changing_the_old():
     decoder = Decoder(get_preset("tiny-qwen3"), rngs=nnx.Rngs(0))
     weights = DecodingWeights(decoder)
     assert isinstance(nnx.merge(weights.graphdef, weights.params), LayeredDecoder)
     other = nnx.state(Decoder(get_preset("tiny-qwen3"), rngs=nnx.Rngs(7)), nnx.Param)
-    weights.set(other)
-    got = nnx.merge(weights.graphdef, weights.params).embedding[...]
+    before = np.asarray(nnx.merge(weights.graphdef, weights.params).embedding[...])
+    bound = weights.bound(other)
+    got = nnx.merge(bound.graphdef, bound.params).embedding[...]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(other["embed"]["embedding"][...]))
+    kept = nnx.merge(weights.graphdef, weights.params).embedding[...]
+    np.testing.assert_array_equal(np.asarray(kept), before)
+    assert not np.array_equal(before, np.asarray(got))
     spec = TurnSpec(
         end_id=END, tool_call_id=CALL, mode="rehearse", act_to_rehearse=(1,), rehearse_to_act=(2,)
     )

@@ -21,7 +21,8 @@ import pytest
 
 from envace_jax.data import ChecklistItem
 from envace_jax.rewards.checklist import aggregate
-from envace_jax.rewards.llm_judge import JudgeConfig, LLMJudge, parse_verdict, render_messages
+from envace_jax.rewards.judge_prompt import parse_verdict, render_messages
+from envace_jax.rewards.llm_judge import JudgeConfig, LLMJudge
 
 # A prompt-rendering or scheduling stall on a loaded 2-core machine once took a fast answer
 # past a 0.3 s timeout; 2 s leaves room while a slow answer still times out every time.

@@ -16,14 +16,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from envace_jax import configuration
-from envace_jax.configuration import base_config, validate
+from envace_jax import configuration, modes
+from envace_jax.configuration import base_config, load, validate
 from envace_jax.envs.base import result_text
 from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks
 from envace_jax.models.config import ModelConfig
 from envace_jax.models.decoder import Decoder, init_cache
 from envace_jax.rl.steps import token_logprobs
-from envace_jax.rollout.modes import MODE_SPECS, mode_spec
 from envace_jax.rollout.role_models import RoleDecoders, role_state
 from envace_jax.sampling import loop
 from envace_jax.sampling.chat_spec import turn_spec
@@ -32,6 +31,7 @@ from envace_jax.sampling.loop import TurnSpec
 from envace_jax.sampling.sampler import Sampler
 from envace_jax.text.role_pieces import prompt_ids
 from envace_jax.text.tokenizer import load_tokenizer
+from envace_jax.train.strategies import RealEnvPolicy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
@@ -53,10 +53,57 @@ def _reference_logprobs(decoder: Decoder, tokens: np.ndarray, temperature=1.0) -
     return np.asarray(logp)
 
 
-def test_modes_are_the_configuration_modes():
-    assert tuple(MODE_SPECS) == configuration.MODES
-    with pytest.raises(ValueError, match="config.mode = 'nope'"):
-        mode_spec("nope")
+def test_the_mode_table_is_what_the_configuration_accepts():
+    """Every row names a strategy class that exists, every (mode, view) row validates, and a
+    mode or a view outside the table is refused naming its key."""
+    for name in modes.names():
+        for row in [m for m in modes._TABLE if m.name == name]:
+            assert isinstance(row.strategy_class(), type)
+            config = base_config()
+            config.mode, config.rollout.rehearsal_view = name, row.view or "shared"
+            assert configuration.load(config).mode == name
+    config = base_config()
+    config.mode = "nope"
+    with pytest.raises(configuration.ConfigError, match=r"config\.mode = 'nope'.*'envace'"):
+        validate(config)
+    config.mode, config.rollout.rehearsal_view = "envace_noshare", "grounded"
+    with pytest.raises(configuration.ConfigError, match="rehearsal_view = 'grounded'.*shared"):
+        validate(config)
+
+
+class CountedRealEnv(RealEnvPolicy):
+    """A mode of the test's own: GRPO in the real environment that counts its RL batches."""
+
+    batches: list[int] = []
+
+    def rollouts(self, params, tasks, key, sampling):
+        CountedRealEnv.batches.append(len(tasks))
+        return super().rollouts(params, tasks, key, sampling)
+
+
+def test_a_new_mode_is_one_row_and_one_class(tmp_path):
+    """A row added to the table (for this block only) is a mode the config accepts and the train
+    job runs: its class makes every RL batch, and the report names it."""
+    from envace_jax.train.trainer import Trainer
+
+    row = modes.Mode(
+        "counted_real_env",
+        None,
+        "environment",
+        "the environment",
+        ("act",),
+        False,
+        "tests.test_modes:CountedRealEnv",
+    )
+    CountedRealEnv.batches.clear()
+    with modes.added(row):
+        config = smoke("counted_real_env", **{"schedule.eval_warm_start": False})
+        out = Trainer(load(config), str(tmp_path)).run()
+    assert CountedRealEnv.batches == [config.rollout.tasks_per_step] * config.schedule.rl_steps
+    assert out["final"]["success"] is not None
+    assert "| RL (counted_real_env)" in (tmp_path / "summary.md").read_text()
+    with pytest.raises(configuration.ConfigError, match="counted_real_env"):
+        smoke("counted_real_env")  # outside the block, the row is gone
 
 
 @pytest.mark.slow  # two decoders compiled into one sampler
@@ -195,7 +242,7 @@ def warm_start(tmp_path_factory):
     from envace_jax.train.trainer import Trainer
 
     workdir = tmp_path_factory.mktemp("warm")
-    trainer = Trainer(smoke("sft_only"), str(workdir))
+    trainer = Trainer(load(smoke("sft_only")), str(workdir))
     out = trainer.run()
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert not [r for r in rows if r["phase"] == "rl"]  # no RL steps
@@ -239,7 +286,7 @@ def test_each_mode_trains_from_the_shared_warm_start(warm_start, tmp_path, mode)
 
     captured = {}
     hooks = Hooks(on_finish=lambda state: captured.setdefault("state", state))
-    trainer = Trainer(smoke(mode, warm_start), str(tmp_path), hooks)
+    trainer = Trainer(load(smoke(mode, warm_start)), str(tmp_path), hooks)
     warm = _warm_params(trainer)
     rec = _Recorder(trainer)
     out = trainer.run()
@@ -306,8 +353,8 @@ def test_a_train_jobs_workdir_gives_the_warm_start_it_kept(warm_start, tmp_path)
     from envace_jax.train.trainer import Trainer
 
     first = str(tmp_path / "first")
-    Trainer(smoke("envace", warm_start), first).run()
-    longer = Trainer(smoke("envace", first, **{"schedule.rl_steps": 6}), str(tmp_path / "b"))
+    Trainer(load(smoke("envace", warm_start)), first).run()
+    longer = Trainer(load(smoke("envace", first, **{"schedule.rl_steps": 6})), str(tmp_path / "b"))
     step, state, meta = longer.load_warm_start(first)
     _, shared, shared_meta = longer.load_warm_start(warm_start)
     assert step == 4 and meta["warm_start_dir"] == first
@@ -324,7 +371,7 @@ def test_an_unreadable_kept_warm_start_falls_back_to_the_checkpoint(warm_start, 
     copy = tmp_path / "warm"
     shutil.copytree(warm_start, copy)
     (copy / "checkpoints" / "warm_start" / "4" / "meta" / "metadata").write_text("{not json")
-    trainer = Trainer(smoke("envace", str(copy)), str(tmp_path / "run"))
+    trainer = Trainer(load(smoke("envace", str(copy))), str(tmp_path / "run"))
     step, state, _ = trainer.load_warm_start(str(copy))
     _, shared, _ = trainer.load_warm_start(warm_start)
     assert step == 4 and _max_change(state.params, shared.params) == 0.0
@@ -340,14 +387,14 @@ def test_warm_start_from_another_config_is_refused(warm_start, tmp_path):
 
     config = smoke("envace", warm_start, **{"sft_optim.learning_rate": 0.5})
     with pytest.raises(ValueError, match=r"warm_start_dir.*other sft_optim"):
-        Trainer(config, str(tmp_path)).run()
+        Trainer(load(config), str(tmp_path)).run()
     config = smoke("envace", str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="nowhere'?: no such directory"):
-        Trainer(config, str(tmp_path / "b")).run()
+        Trainer(load(config), str(tmp_path / "b")).run()
     (tmp_path / "empty").mkdir()
     config = smoke("envace", str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="no checkpoint at the end of a 4-step warm start"):
-        Trainer(config, str(tmp_path / "c")).run()
+        Trainer(load(config), str(tmp_path / "c")).run()
 
 
 @pytest.mark.slow  # two short jobs from the shipped base
@@ -369,7 +416,7 @@ def test_a_corrupted_world_with_corruption_off_is_grpo_in_the_real_environment(t
     for mode in ("grpo_real_env", "corrupted_world"):
         hooks = Hooks(on_finish=lambda state, mode=mode: finals.setdefault(mode, state))
         overrides = {"rollout.corruption_rate": 0.0} if mode == "corrupted_world" else {}
-        Trainer(smoke(mode, **calls, **overrides), str(tmp_path / mode), hooks).run()
+        Trainer(load(smoke(mode, **calls, **overrides)), str(tmp_path / mode), hooks).run()
     assert _max_change(finals["corrupted_world"].params, finals["grpo_real_env"].params) == 0.0
     rows = {
         mode: [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]

@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 
 sys.path.insert(0, os.path.join(sys.argv[7], "configs"))
 import demo
-from envace_jax.configuration import validate
+from envace_jax.configuration import load, validate
 from envace_jax.train.trainer import Hooks, Trainer
 
 c = demo.get_config("smoke")
@@ -52,7 +52,7 @@ def keep(state):
     final.update({
         "/".join(map(str, p)): gather(v.get_value()) for p, v in nnx.to_flat_state(state.params)
     })
-trainer = Trainer(validate(c), workdir, Hooks(on_finish=keep))
+trainer = Trainer(load(c), workdir, Hooks(on_finish=keep))
 assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
 
 built = {"sft": [], "rl": []}

@@ -111,7 +111,7 @@ for name, mesh_shape, overrides in SMALL:
     temp = step.lower(abstract, batch).compile().memory_analysis().temp_size_in_bytes
     resident = on_device0((params, state.params, state.opt_state))
     sampler = Sampler(model, turn_spec(tok, mode="rehearse"), pad_id=tok.pad_token_id)
-    sampler.set_params(state.params)
+    sampler = sampler.with_params(state.params)
     layout = parallel.row_layout(mesh, B)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(5, 500, PROMPT)) for _ in layout.rows]

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from envace_jax.configuration import validate
+from envace_jax.configuration import load
 from envace_jax.data.export import export_tasks
 from envace_jax.envs.registry import domain
 from tests.conftest import REPO, demo_config
@@ -60,7 +60,7 @@ def test_exported_task_files_train_to_the_demo_domains_numbers(tmp_path):
     runs = {}
     for name, config in (("domain", direct), ("files", files)):
         workdir = str(tmp_path / name)
-        runs[name] = Trainer(validate(config), workdir).run()
+        runs[name] = Trainer(load(config), workdir).run()
         runs[name]["rows"] = _rows(workdir)
         with open(os.path.join(workdir, "summary.json")) as f:
             runs[name]["summary"] = json.load(f)

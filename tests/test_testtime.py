@@ -473,7 +473,7 @@ def test_both_modes_form_and_insert_the_memory_with_a_loaded_random_qwen3(
 
 
 def test_rehearsal_config_errors_name_the_key(tmp_path):
-    from envace_jax.configuration import ConfigError, validate
+    from envace_jax.configuration import ConfigError, load, validate
     from envace_jax.testtime.rehearsal_eval import (
         RehearsalEvalError,
         check_architecture,
@@ -500,8 +500,8 @@ def test_rehearsal_config_errors_name_the_key(tmp_path):
     assert train_dirs(config, "elsewhere") == (str(tmp_path / "checkpoints"), str(tmp_path))
     saved = json.loads(json.dumps(demo_config("smoke").to_dict()))
     with pytest.raises(RehearsalEvalError, match=r"--config\.model\.preset='tiny-qwen3'"):
-        check_architecture(config, saved, "checkpoint x")
-    check_architecture(demo_config("rehearsal_eval_smoke"), saved, "checkpoint x")
+        check_architecture(load(config), saved, "checkpoint x")
+    check_architecture(load(demo_config("rehearsal_eval_smoke")), saved, "checkpoint x")
 
 
 @pytest.mark.slow  # a smoke train job, then the eval job on its workdir (a few minutes)

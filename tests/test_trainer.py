@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from envace_jax.configuration import validate
-from envace_jax.train.trainer import Hooks, Trainer, TrainingDiverged
+from envace_jax.configuration import load, validate
+from envace_jax.train.phase import TrainingDiverged
+from envace_jax.train.trainer import Hooks, Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
@@ -56,7 +57,9 @@ def _run(config, workdir, stop_after_save=None):
     def keep_state(state):
         captured["params"] = _flat(state.params)
 
-    trainer = Trainer(config, str(workdir), Hooks(on_checkpoint=stop_after, on_finish=keep_state))
+    trainer = Trainer(
+        load(config), str(workdir), Hooks(on_checkpoint=stop_after, on_finish=keep_state)
+    )
     out = trainer.run()
     return out, captured["params"]
 
@@ -145,7 +148,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, tmp_path, s
 @pytest.mark.slow  # a smoke job driven to a NaN
 def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     config = smoke(**{"schedule.checkpoint_every": 1})
-    trainer = Trainer(config, str(tmp_path))
+    trainer = Trainer(load(config), str(tmp_path))
     step = trainer.grpo_step
 
     def poisoned(state, batch):
@@ -179,7 +182,7 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path, capsys, c
                     fh.write(b"\xff" * 16)
                 garbled += 1
     assert garbled
-    trainer = Trainer(config, str(tmp_path))
+    trainer = Trainer(load(config), str(tmp_path))
     step, state, meta = trainer.restore()
     assert step == 2
     warnings = caplog.text + capsys.readouterr().out
@@ -233,7 +236,7 @@ def test_kl_penalty_to_the_warm_start_is_applied_and_logged(tmp_path):
     """grpo.use_kl trains against a frozen copy of the warm start: every RL step logs a finite,
     non-negative k3 KL, and it is 0 at the first step (the policy is still the reference)."""
     config = smoke(**{"grpo.use_kl": True, "grpo.kl_coef": 1e-3})
-    Trainer(config, str(tmp_path)).run()
+    Trainer(load(config), str(tmp_path)).run()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     kl = [r["kl"] for r in rows if r["phase"] == "rl"]
     assert len(kl) == config.schedule.rl_steps
@@ -243,7 +246,7 @@ def test_kl_penalty_to_the_warm_start_is_applied_and_logged(tmp_path):
 
 def test_without_the_warm_start_evaluation_only_the_final_policy_is_evaluated(tmp_path):
     config = smoke(**{"schedule.eval_warm_start": False, "schedule.eval_every": 0})
-    trainer = Trainer(config, str(tmp_path))
+    trainer = Trainer(load(config), str(tmp_path))
     evaluated = []
     evaluate = trainer.evaluate
     trainer.evaluate = lambda *a: evaluated.append(1) or evaluate(*a)
@@ -256,3 +259,31 @@ def test_without_the_warm_start_evaluation_only_the_final_policy_is_evaluated(tm
     assert "| RL (envace)" in text and "warm start" not in text
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in rows if r["phase"] == "eval"]) == 1
+
+
+def test_an_evaluation_between_rl_steps_leaves_the_next_rollouts_bit_identical(tmp_path):
+    """Evaluations sample from parameter views of their own: evaluating other parameters (the
+    policy's, halved) after every RL step changes no later rollout, loss or parameter."""
+    quiet = {"schedule.eval_warm_start": False, "schedule.eval_every": 0}
+    plain = Trainer(load(smoke(**quiet)), str(tmp_path / "plain")).run()
+    config = smoke(**{**quiet, "schedule.eval_every": 1})
+    trainer = Trainer(load(config), str(tmp_path / "evaluated"))
+    evaluate, halved = trainer.evaluate, []
+
+    def evaluate_other(params, *args, **kwargs):
+        halved.append(1)
+        return evaluate(jax.tree.map(lambda x: x * 0.5, params), *args, **kwargs)
+
+    trainer.evaluate = evaluate_other
+    trainer.run()
+    assert len(halved) == config.schedule.rl_steps  # after each step but the last, and the final
+
+    def rl_rows(name):
+        rows = [
+            json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().split("\n")[:-1]
+        ]
+        timing = ("time", "rollout_s", "update_s")
+        return [{k: v for k, v in r.items() if k not in timing} for r in rows if r["phase"] == "rl"]
+
+    assert rl_rows("evaluated") == rl_rows("plain") and len(rl_rows("plain")) >= 2
+    assert plain["sft"] is None

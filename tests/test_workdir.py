@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from envace_jax.configuration import base_config
+from envace_jax.configuration import base_config, load
 from envace_jax.runtime import interrupts
 from envace_jax.runtime.locks import LockHeld, PidLock
 from envace_jax.runtime.workdir import RunDir, run_dirs
@@ -60,7 +60,7 @@ def test_a_held_lock_names_its_holder_and_a_killed_holders_lock_is_taken_over(tm
 def _run_dir(workdir, checkpoint_dir: str) -> RunDir:
     config = base_config()
     config.schedule.checkpoint_dir = checkpoint_dir
-    return RunDir(config, str(workdir))
+    return RunDir(load(config), str(workdir))
 
 
 def _files(root) -> set[str]:

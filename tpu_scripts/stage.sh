@@ -17,7 +17,7 @@
 #
 # Each worker copies SRC from Cloud Storage to $HOME/envace/models/<basename of SRC>, the
 # directory the configs read (configs/qwen3_8b.py uses ~/envace/models/Qwen3-8B); task data goes
-# to $HOME/envace/data (DATA_DIR in configs/_qwen3_tpu.py), whose train/ and validation/ the
+# to $HOME/envace/data (DATA_DIR in envace_jax/planner/tpu_configs.py), whose train/ and validation/ the
 # configs read as data.train_files and data.eval_files. Every worker reads only the slices of
 # the weights its chips hold, but each needs the files on its own disk.
 #

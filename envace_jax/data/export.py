@@ -1,9 +1,7 @@
 """Write tasks as task files in the reference layout (verl parquet rows), losing nothing.
 
-    python -m envace_jax.data.export --domain demo --split train --tasks 64 --seed 0 OUT.parquet
-
-writes a registered domain's tasks (`envs.registry.domain(name).generate_tasks(seed, n,
-split)`); `export_tasks(tasks, path)` writes any tasks. `.parquet` or `.jsonl`, by suffix.
+`export_tasks(tasks, path)` writes any tasks, `.parquet` or `.jsonl` by suffix; a registered
+domain's tasks are written from the command line by `python -m envace_jax.envs.export`.
 
 Each row holds, as the reference's rows do: `data_source` (the task's `metadata.data_source`,
 else the given one), `messages` (the opening chat) and `extra_info` with `index` (row number),
@@ -25,10 +23,8 @@ In `.jsonl` every value but `tools` is plain JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -172,33 +168,3 @@ def export_tasks(
                 f.write((_json(row) + "\n").encode())
                 n += 1
     return n
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m envace_jax.data.export",
-        description="Write a registered domain's tasks as a task file in the reference layout.",
-    )
-    parser.add_argument("--domain", default="demo", help="a registered domain (config.data.env)")
-    parser.add_argument("--split", default="train", help="train, validation or test")
-    parser.add_argument("--tasks", type=int, default=64, help="how many tasks")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--data-source", help="data_source of tasks that name none (the domain)")
-    parser.add_argument("out", help="the file to write: .parquet or .jsonl")
-    args = parser.parse_args(argv)
-    if not args.out.endswith((".parquet", ".jsonl")):
-        parser.error(f"{args.out}: expected a .parquet or .jsonl file name")
-    from envace_jax.envs.registry import domain
-
-    try:
-        dom = domain(args.domain)
-        tasks = dom.generate_tasks(args.seed, args.tasks, args.split)
-    except ValueError as e:
-        parser.error(str(e))
-    n = export_tasks(tasks, args.out, data_source=args.data_source or args.domain)
-    print(f"wrote {n} {args.domain} {args.split} tasks (seed {args.seed}) to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

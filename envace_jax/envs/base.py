@@ -20,8 +20,9 @@ Error codes split in two kinds:
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 # A response to one tool call: a JSON-serialisable dict (a result, or a tool error response).
@@ -161,3 +162,31 @@ class CallCounter:
 
         env.step = counted
         return env
+
+
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """What the jobs need of a task domain.
+
+    generate_tasks(seed, n, split) -> tasks: deterministic in (seed, split).
+    make_env() -> a fresh executable environment (`envs.base.Environment`); a domain without
+      one (`has_env` False) gives a factory that raises.
+    demonstrations(tasks, tokenizer, failure_fraction, seed, unfinished_fraction=,
+      default_fraction=) -> the warm start's encoded demonstrations, one per task
+      (`text.trajectory.EncodedConversation`).
+    response_tools(tasks) -> the tool of each response in each task's demonstration.
+    corrupted_envs(kind, rate, seed) -> an environment factory over corrupted copies of the
+      world (`envs.base.CORRUPTIONS`), for the sensitivity control; None if the domain has none.
+    """
+
+    name: str
+    generate_tasks: Callable[[int, int, str], list[Any]]
+    make_env: Callable[[], Environment]
+    demonstrations: Callable[..., list[Any]]
+    response_tools: Callable[[Sequence[Any]], list[list[str]]]
+    corrupted_envs: Callable[[str, float, int], Callable[[], Environment]] | None = None
+    has_env: bool = True
+
+    def held_out_tasks(self, config) -> list[Any]:
+        """The tasks the train job evaluates on: `data.eval_tasks` of `data.eval_split`."""
+        return self.generate_tasks(config.seed, config.data.eval_tasks, config.data.eval_split)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from envace_jax.envs.registry import Domain
+from envace_jax.envs.base import Domain
 
 TRAIN_KEY, EVAL_KEY = "config.data.train_files", "config.data.eval_files"
 

@@ -38,7 +38,7 @@ from typing import Any
 import ml_collections
 from absl import app, flags, logging
 
-from envace_jax.configuration import validate
+from envace_jax.configuration import load, validate
 from envace_jax.experiments.verdicts import (
     ARMS,
     claims,
@@ -159,7 +159,7 @@ def run_one(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         json.dump(config.to_dict(), f, indent=1)
-    trainer = Trainer(config, workdir)
+    trainer = Trainer(load(config), workdir)
     params = trainer.model.cfg.num_params
     out = trainer.run()
     del trainer

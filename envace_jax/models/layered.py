@@ -21,22 +21,22 @@ stacked layout that the train step shards). The server keeps the stacked decoder
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
 from envace_jax.models.config import ModelConfig
-from envace_jax.models.decoder import (
-    CausalLM,
-    Decoder,
+from envace_jax.models.decoder import CausalLM, Decoder, check_inputs
+from envace_jax.models.kv_cache import zero_pad
+from envace_jax.models.primitives import (
     apply_rope,
     attend,
     causal_mask,
-    check_inputs,
     query_blocks,
     rms_norm,
     rope_tables,
-    zero_pad,
 )
 from envace_jax.parallel import with_logical_constraint
 
@@ -158,7 +158,8 @@ class LayeredDecoder(CausalLM):
         return x, None if cache is None else LayerCache(k=tuple(new_k), v=tuple(new_v))
 
     def prefill(self, tokens, positions, cache, kv_window=None, fresh=False) -> LayerCache:
-        """`Decoder.prefill`: writes `tokens` into `cache` without computing logits."""
+        """`models.protocols.Prefills` (as `Decoder.prefill`): writes `tokens` into `cache`
+        without computing logits."""
         return self._hidden_states(tokens, positions, None, cache, kv_window, fresh)[1]
 
     def _forward(self, tokens, positions, attention_mask, cache, kv_window):
@@ -272,8 +273,8 @@ def layered_here(model: nnx.Module) -> bool:
 class DecodingWeights:
     """The graph and parameters a sampling loop runs `model` with (see `layered_here`).
 
-    `set(params)` takes the model's own parameter State (e.g. a train step's); the per-layer
-    copy is made when `params` is first read after it."""
+    `bound(params)` gives weights over the model's own parameter State (e.g. a train step's);
+    their per-layer copy is made when `params` is first read."""
 
     def __init__(self, model: nnx.Module):
         source, params = nnx.split(model)
@@ -281,10 +282,13 @@ class DecodingWeights:
         if layered_here(model):
             self._convert = jax.jit(lambda p: nnx.state(LayeredDecoder(nnx.merge(source, p))))
             self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: LayeredDecoder(model)))
-        self.set(params)
-
-    def set(self, params) -> None:
         self._source, self._params = params, None
+
+    def bound(self, params) -> DecodingWeights:
+        """The same graph and conversion over `params`; this object is left as it is."""
+        view = copy.copy(self)
+        view._source, view._params = params, None
+        return view
 
     @property
     def params(self):

@@ -1,7 +1,7 @@
 """The paper's Qwen3 policies on Cloud TPU: reference hyper-parameters and one layout per slice.
 
-A helper of the `configs/qwen3_*.py` files (not a config of its own). Each of them names an HF
-checkpoint directory, staged on every worker by `tpu_scripts/stage.sh` (override with
+The `configs/qwen3_*.py` files build their configs with it. Each of them names an HF checkpoint
+directory, staged on every worker by `tpu_scripts/stage.sh` (override with
 --config.model.hf_path=DIR), and the slices it fits (CONTEXTS); its variants are TPU slices:
 
   python -m envace_jax.main --config configs/qwen3_8b.py:v5p-32 --workdir ~/envace/run \
@@ -29,8 +29,8 @@ gradient accumulation to a slice:
   and the sampler);
 * micro-batches such that every device holds one row at a time.
 
-A variant's context is the largest the memory planner (`python -m envace_jax.planner`) accepts on
-its slice (the reference's 20,000 tokens where it fits); `tests/test_plan.py` checks that every
+A variant's context is the largest the memory planner (`python -m envace_jax.planner`) accepts
+on its slice (the reference's 20,000 tokens where it fits); `tests/test_plan.py` checks that every
 listed layout fits. No variant: the reference context with the layout of the file's home slice,
 FSDP over whatever devices there are; check it with the planner before a run on another slice.
 """

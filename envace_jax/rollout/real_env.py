@@ -25,7 +25,13 @@ from envace_jax import parallel
 from envace_jax.envs.base import error_code, is_call_error, result_text
 from envace_jax.rewards.rule_judge import judge
 from envace_jax.rollout.episodes import Episode, build_episodes, response_matches
-from envace_jax.rollout.world_rehearsal import task_prompts
+from envace_jax.rollout.world_rehearsal import (
+    GroupSampling,
+    RolloutBatch,
+    judged_batch,
+    rollout_stats,
+    task_prompts,
+)
 from envace_jax.sampling.chat_spec import observation_ids
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.sampling.loop import Trajectories
@@ -207,3 +213,48 @@ def rehearsal_fidelity(
             total += 1
             matches += call_index < len(real) and response_matches(text, real[call_index])
     return (matches / total if total else 0.0), total
+
+
+def real_env_group_rollouts(
+    sampler: Sampler,
+    tokenizer,
+    tasks: Sequence[Any],
+    make_env: Callable[[], Any],
+    group: GroupSampling,
+) -> RolloutBatch:
+    """`group.group_size` real-environment episodes of every task (each in a fresh
+    environment), judged on the real trajectory, as a training batch; rows of task i have
+    group i.
+
+    The observations are CONTEXT tokens (never trained). Stats add the real success rate and
+    the real tool-error rate to `rollout_stats`'."""
+    if sampler.spec.mode != "host":
+        raise ValueError("real_env_group_rollouts needs a sampler whose TurnSpec.mode is 'host'")
+    rows = [t for t in tasks for _ in range(group.group_size)]
+    results, out = real_env_rollouts(
+        sampler,
+        tokenizer,
+        rows,
+        make_env,
+        key=group.key,
+        sampling=group.sampling,
+        max_new_tokens=group.max_new_tokens,
+    )
+    episodes = [r.episode for r in results]
+    rewards = np.asarray([r.reward for r in results], np.float64)
+    group_ids = np.repeat(np.arange(len(tasks)), group.group_size)
+    batch = judged_batch(
+        tokenizer,
+        out,
+        episodes,
+        rewards,
+        group_ids,
+        group.length_buckets,
+        batch_size=group.batch_size,
+    )
+    lengths = np.asarray([ep.end for ep in episodes], np.int32)
+    stats = rollout_stats(episodes, rewards, lengths)
+    calls = sum(len(ep.calls) for ep in episodes)
+    stats["real_success"] = float(np.mean([r.success for r in results]))
+    stats["real_tool_error_rate"] = sum(r.call_errors for r in results) / max(calls, 1)
+    return RolloutBatch(batch, episodes, rows, stats)

@@ -22,7 +22,7 @@ decoder's, and slot (2L, b, 0, 0, 0) of k / v holds row b's tracked role / open-
 (small integers, exact in any float dtype).
 
 Parameters: `nnx.split(wrapper)` gives a State {'act': ..., 'rehearse': ...};
-`role_state(act_params, rehearse_params)` builds one for `Sampler.set_params`.
+`role_state(act_params, rehearse_params)` builds one for `Sampler.with_params`.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class RoleDecoders(CausalLM):
         kv_window: int | None = None,
         fresh: bool = False,
     ) -> KVCache:
-        """Writes `tokens` [B, T] into both decoders' caches without computing logits."""
+        """`models.protocols.Prefills`: writes `tokens` [B, T] into both decoders' caches
+        without computing logits."""
         act_cache, reh_cache = self._split(cache)
         act_cache = self.act.prefill(tokens, positions, act_cache, kv_window, fresh)
         reh_cache = self.rehearse.prefill(tokens, positions, reh_cache, kv_window, fresh)

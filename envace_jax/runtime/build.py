@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 
 import jax
-import ml_collections
 from flax import nnx
 
 from envace_jax import parallel
+from envace_jax.configuration import JobConfig
 from envace_jax.models.config import get_preset
 from envace_jax.models.decoder import Decoder
 from envace_jax.models.hf_io import load_hf_model
@@ -16,17 +16,17 @@ from envace_jax.models.shipped import resolve_hf_path
 from envace_jax.text.tokenizer import load_tokenizer
 
 
-def build_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+def build_mesh(config: JobConfig) -> jax.sharding.Mesh:
     return parallel.make_mesh(
         {"data": config.mesh.data, "fsdp": config.mesh.fsdp, "tensor": config.mesh.tensor}
     )
 
 
-def build_tokenizer(config: ml_collections.ConfigDict):
+def build_tokenizer(config: JobConfig):
     return load_tokenizer(config.tokenizer)
 
 
-def build_model(config: ml_collections.ConfigDict, tokenizer, mesh=None) -> Decoder:
+def build_model(config: JobConfig, tokenizer, mesh=None) -> Decoder:
     """The policy: an HF checkpoint (`model.hf_path`) or a freshly initialised preset whose
     vocabulary is sized to the tokenizer. Parameters are placed by the logical-axis rules."""
     m = config.model

@@ -27,12 +27,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
+from envace_jax import knobs, modes
+from envace_jax.configuration import JobConfig
 from envace_jax.models.hf_io import save_hf_model
 from envace_jax.rl.optim import OptimConfig, make_optimizer
 from envace_jax.rl.steps import TrainState, make_shardings
-from envace_jax.rollout.modes import mode_spec
 from envace_jax.runtime import checkpoint as ckpt_lib
 
 CHECKPOINTS = "checkpoints"
@@ -53,9 +53,9 @@ EVAL_KEYS = ("seed", "eval", "rollout.rehearsal_view", "data.env", "data.eval_ta
 EVAL_KEYS += ("data.eval_split", "data.eval_files", "judge")
 
 
-def config_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def config_json(config: JobConfig) -> dict[str, Any]:
     """The config as checkpoint meta saves it (tuples become lists, as JSON has them)."""
-    return json.loads(json.dumps(config.to_dict()))
+    return json.loads(json.dumps(knobs.as_dict(config)))
 
 
 def config_differences(ours: dict, theirs: dict, keys: Sequence[str]) -> list[str]:
@@ -105,7 +105,7 @@ def checkpoint_target(params: Any, mesh) -> Callable[[int, dict], TrainState]:
     def target(step: int, meta: dict) -> TrainState:
         cfg = meta.get("config") or {}
         s = cfg.get("schedule", {})
-        trains = mode_spec(cfg.get("mode", "envace")).rollout != "none"
+        trains = modes.lookup(cfg.get("mode", "envace")).has_rl
         phase = phase_at(step, s.get("sft_steps", 0), s.get("rl_steps", 0) if trains else 0)
         section = "sft_optim" if phase == "sft" else "optim"
         try:
@@ -203,7 +203,7 @@ def kept_warm_start_dir(checkpoints: str, root: str) -> str:
     return older if not os.path.isdir(path) and os.path.isdir(older) else path
 
 
-def checkpoint_dir(config: ml_collections.ConfigDict, workdir: str) -> str:
+def checkpoint_dir(config: JobConfig, workdir: str) -> str:
     """The run's checkpoint directory: `schedule.checkpoint_dir` (a relative path is taken
     relative to the workdir, never to the current directory, so that a rerun from elsewhere
     resumes the same run), or `<workdir>/checkpoints`."""
@@ -219,7 +219,7 @@ def checkpoint_dir(config: ml_collections.ConfigDict, workdir: str) -> str:
 class RunDir:
     """The train job's checkpoints, kept warm start and exports."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    def __init__(self, config: JobConfig, workdir: str):
         s = config.schedule
         self.path = workdir
         self.config = config_json(config)

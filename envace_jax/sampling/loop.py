@@ -1,8 +1,8 @@
 """The compiled decode loop: plain generation, world rehearsal, and host turns in one state machine.
 
 Every row of the batch is one trajectory, written token by token into a preallocated buffer
-[B, T] together with its role tag and segment id (the trajectory format of DESIGN.md). Each
-loop step feeds every row's last written token through the decoder (one KV-cache slot per
+[B, T] together with its role tag and segment id (the trajectory format of docs/design.md).
+Each loop step feeds every row's last written token through the decoder (one KV-cache slot per
 position, see `models.decoder`) and chooses the row's next token:
 
 * if the row has *forced* tokens queued (chat-template glue, or the next user turn), the next
@@ -31,84 +31,49 @@ judged afterwards on the host, where it cannot crash the loop.
 Feeding the last written token (instead of carrying logits from the previous step) lets the
 prefill, a resumed loop and appended host tokens share one code path: re-feeding a token
 rewrites its cache slot with the same values.
+
+The loop's data (`TurnSpec`, `LoopState`, `Trajectories`) lives in `sampling.loop_state`, the
+per-token state change in `sampling.transitions`; this module runs them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
+from envace_jax.models.protocols import Prefills
 from envace_jax.sampling.distributions import RowSampling, SamplingParams, sample_next
+from envace_jax.sampling.loop_state import (
+    LOOP_MODES,
+    LoopState,
+    Trajectories,
+    TurnSpec,
+    put_rows,
+    take_rows,
+    to_trajectories,
+)
+from envace_jax.sampling.transitions import transition, write_token
 from envace_jax.text.codes import Role, Status
 
-LOOP_MODES = ("generate", "rehearse", "host")  # values of TurnSpec.mode
-
-
-@dataclasses.dataclass(frozen=True)
-class TurnSpec:
-    """Static description of the chat layout the loop drives (hashable: a jit static argument).
-
-    end_id: the id that ends every generated message (`<|im_end|>`).
-    tool_call_id: the id that opens a tool call (`<tool_call>`); an ACT message containing it
-      asked for tools.
-    abort_ids: ids that end a row as INVALID when generated (e.g. `<|endoftext|>`).
-    act_to_rehearse / rehearse_to_act: glue ids between an ACT message and the rehearsed
-      response body, and between that body and the next ACT message (from the chat template).
-    mode: 'generate', 'rehearse' or 'host' (see the module docstring).
-    max_turns: the most ACT messages a row may write.
-    max_message_tokens: the most tokens one generated message may have.
-    """
-
-    end_id: int
-    tool_call_id: int
-    abort_ids: tuple[int, ...] = ()
-    act_to_rehearse: tuple[int, ...] = ()
-    rehearse_to_act: tuple[int, ...] = ()
-    mode: str = "rehearse"
-    max_turns: int = 8
-    max_message_tokens: int = 512
-
-    def __post_init__(self):
-        if self.mode not in LOOP_MODES:
-            raise ValueError(f"TurnSpec.mode must be one of {LOOP_MODES}, got {self.mode!r}")
-        if self.mode == "rehearse" and not (self.act_to_rehearse and self.rehearse_to_act):
-            raise ValueError("TurnSpec: mode 'rehearse' needs act_to_rehearse and rehearse_to_act")
-        if self.max_turns < 1 or self.max_message_tokens < 1:
-            raise ValueError("TurnSpec: max_turns and max_message_tokens must be >= 1")
-
-
-@struct.dataclass
-class LoopState:
-    """Everything the loop carries. Arrays are [B, ...]; T is the buffer length."""
-
-    tokens: jax.Array  # int32 [B, T]
-    roles: jax.Array  # int8 [B, T]
-    segments: jax.Array  # int32 [B, T]
-    logprobs: jax.Array  # float32 [B, T]
-    length: jax.Array  # int32 [B]: tokens written
-    budget: jax.Array  # int32 [B]: the most tokens the row may hold (<= T)
-    cache: Any  # the model's (`init_cache`): a models.decoder.KVCache or models.layered.LayerCache
-    role: jax.Array  # int8 [B]: role of the message being generated (ACT / REHEARSE)
-    segment: jax.Array  # int32 [B]: segments opened so far
-    in_message: jax.Array  # bool [B]: a generated message is open
-    message_tokens: jax.Array  # int32 [B]: tokens in the open message
-    called_tool: jax.Array  # bool [B]: the open ACT message wrote tool_call_id
-    act_turns: jax.Array  # int32 [B]: ACT messages completed
-    user_turn: jax.Array  # int32 [B]: index of the user turn being answered (0 = prompt)
-    queue: jax.Array  # int32 [B, Q]: forced tokens
-    queue_len: jax.Array  # int32 [B]
-    queue_pos: jax.Array  # int32 [B]
-    status: jax.Array  # int8 [B]: Status
-    user_turns: jax.Array  # int32 [B, U, Q]: later user turns (glue included), replayed
-    user_turn_lens: jax.Array  # int32 [B, U]
-    num_user_turns: jax.Array  # int32 [B]: how many later user turns each row has
-    key: jax.Array  # PRNG key
-    step: jax.Array  # int32 []: decode steps taken
+# The loop's API, part of it defined with the loop's data (`loop_state`).
+__all__ = [
+    "LOOP_MODES",
+    "LoopState",
+    "Trajectories",
+    "TurnSpec",
+    "append_tokens",
+    "apply_token_mask",
+    "attention_windows",
+    "decode",
+    "init_state",
+    "prefill",
+    "put_rows",
+    "take_rows",
+    "to_trajectories",
+]
 
 
 def prefill(
@@ -119,9 +84,10 @@ def prefill(
     kv_window: int | None = None,
     fresh: bool = False,
 ) -> Any:
-    """Writes tokens into the cache; models with a logit-free `prefill` skip the LM head (and
-    with `fresh`, positions 0..T-1 in every row, attend in causal blocks: `Decoder.prefill`)."""
-    if hasattr(model, "prefill"):
+    """Writes tokens into the cache; a model that `Prefills` (`models.protocols`) skips the LM
+    head (and with `fresh`, positions 0..T-1 in every row, attends in causal blocks:
+    `Decoder.prefill`); any other `CausalLM` runs its `__call__` and drops the logits."""
+    if isinstance(model, Prefills):
         return model.prefill(tokens, positions, cache, kv_window, fresh)
     return model(tokens, positions, cache=cache, kv_window=kv_window)[1]
 
@@ -138,10 +104,6 @@ def attention_windows(max_len: int, smallest: int = 128) -> tuple[int, ...]:
 
 def _queue_width(spec: TurnSpec, user_turns_width: int) -> int:
     return max(len(spec.act_to_rehearse), len(spec.rehearse_to_act), user_turns_width, 1)
-
-
-def _padded(ids: tuple[int, ...], width: int) -> jax.Array:
-    return jnp.asarray(list(ids) + [0] * (width - len(ids)), jnp.int32)
 
 
 def init_state(
@@ -213,15 +175,6 @@ def init_state(
     )
 
 
-class _Written(NamedTuple):
-    """What one step wrote, per row [B]: the token, and which rows wrote / sampled / opened."""
-
-    tok: jax.Array  # the token written: the next queued one, or the sampled one
-    active: jax.Array  # the row was RUNNING, so it wrote a token
-    generated: jax.Array  # the token was sampled (nothing was queued)
-    opens: jax.Array  # the sampled token opens a new message (segment)
-
-
 def apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
     """logits [B, V] with the tokens a packed mask [B, ceil(V/32)] int32 does not allow set to
     -1e30: bit j of word i allows token 32 i + j (llguidance's and xgrammar's bitmask layout)."""
@@ -254,107 +207,8 @@ def _step(
         logits = apply_token_mask(logits, token_mask)
     key = jax.random.fold_in(s.key, s.step)
     sampled, logprob = sample_next(logits, key, sampling, noise_rows, noise_batch, s.length)
-    written, w = _write_token(s, sampled, logprob)
-    return _transition(spec, written, w).replace(cache=cache, step=s.step + 1)
-
-
-def _write_token(s: LoopState, sampled: jax.Array, logprob: jax.Array):
-    """Writes each running row's next token (queued, tagged CONTEXT; else sampled, tagged with
-    the row's role) and its role, segment and log-prob. Returns the state and `_Written`."""
-    B, T = s.tokens.shape
-    rows = jnp.arange(B)
-    active = s.status == Status.RUNNING
-    forced = s.queue_pos < s.queue_len
-    generated = active & ~forced
-    tok = jnp.where(forced, s.queue[rows, jnp.minimum(s.queue_pos, s.queue.shape[1] - 1)], sampled)
-    opens = generated & ~s.in_message
-    segment = s.segment + opens
-    write_at = jnp.minimum(s.length, T - 1)
-
-    def put(buf, value):
-        return buf.at[rows, write_at].set(jnp.where(active, value, buf[rows, write_at]))
-
-    written = s.replace(
-        tokens=put(s.tokens, tok),
-        roles=put(s.roles, jnp.where(forced, Role.CONTEXT, s.role).astype(jnp.int8)),
-        segments=put(s.segments, jnp.where(forced, 0, segment)),
-        logprobs=put(s.logprobs, jnp.where(forced, 0.0, logprob)),
-        length=s.length + active,
-        queue_pos=s.queue_pos + (active & forced),
-        message_tokens=jnp.where(opens, 0, s.message_tokens) + generated,
-        segment=segment,
-    )
-    return written, _Written(tok, active, generated, opens)
-
-
-def _transition(spec: TurnSpec, s: LoopState, w: _Written) -> LoopState:
-    """The state change after the token `w` (the module docstring's table): a message that
-    ended queues its glue or the next user turn and switches role, or stops the row."""
-    rows = jnp.arange(s.tokens.shape[0])
-    is_act = s.role == Role.ACT
-    ended = w.generated & (w.tok == spec.end_id)
-    aborted = w.generated & jnp.isin(w.tok, jnp.asarray(spec.abort_ids or (-1,), jnp.int32))
-    called_tool = s.called_tool | (w.generated & is_act & (w.tok == spec.tool_call_id))
-    act_tool_end = ended & is_act & called_tool
-    act_final_end = ended & is_act & ~called_tool
-    rehearse_end = ended & ~is_act
-    act_turns = s.act_turns + (ended & is_act)
-
-    status = s.status
-    role = s.role
-    # A message can only end while the queue is drained; start every transition empty.
-    queue = s.queue
-    queue_len = jnp.where(ended, 0, s.queue_len)
-
-    def enqueue(cond, ids_row, n):
-        return jnp.where(cond[:, None], ids_row, queue), jnp.where(cond, n, queue_len)
-
-    # ACT called tools.
-    over_turns = act_tool_end & (act_turns >= spec.max_turns)
-    if spec.mode == "rehearse":
-        go = act_tool_end & ~over_turns
-        queue, queue_len = enqueue(
-            go, _padded(spec.act_to_rehearse, queue.shape[1])[None], len(spec.act_to_rehearse)
-        )
-        role = jnp.where(go, Role.REHEARSE, role)
-        status = jnp.where(over_turns, Status.TURN_LIMIT, status)
-    elif spec.mode == "host":
-        status = jnp.where(over_turns, Status.TURN_LIMIT, status)
-        status = jnp.where(act_tool_end & ~over_turns, Status.AWAITING_ENV, status)
-    else:
-        status = jnp.where(act_tool_end, Status.FINISHED, status)
-    # REHEARSE finished its response.
-    queue, queue_len = enqueue(
-        rehearse_end,
-        _padded(spec.rehearse_to_act, queue.shape[1])[None],
-        len(spec.rehearse_to_act),
-    )
-    role = jnp.where(rehearse_end, Role.ACT, role)
-    # A final reply: replay the next user turn, or finish.
-    has_next = s.user_turn < s.num_user_turns
-    next_turn = act_final_end & has_next
-    U = s.user_turns.shape[1]
-    if U:
-        idx = jnp.minimum(s.user_turn, U - 1)
-        queue, queue_len = enqueue(next_turn, s.user_turns[rows, idx], s.user_turn_lens[rows, idx])
-    status = jnp.where(act_final_end & ~has_next, Status.FINISHED, status)
-    status = jnp.where(aborted, Status.INVALID, status)
-    # Budgets: a message too long, or no room for the next token.
-    too_long = w.generated & ~ended & (s.message_tokens >= spec.max_message_tokens)
-    full = w.active & (s.length >= s.budget)
-    status = jnp.where((too_long | full) & (status == Status.RUNNING), Status.TRUNCATED, status)
-
-    return s.replace(
-        role=role.astype(jnp.int8),
-        in_message=(s.in_message | w.opens) & ~ended,
-        called_tool=called_tool & ~ended,
-        act_turns=act_turns,
-        user_turn=s.user_turn + next_turn,
-        queue=queue,
-        queue_len=queue_len,
-        queue_pos=jnp.where(ended, 0, s.queue_pos),
-        status=status.astype(jnp.int8),
-    )
+    written, w = write_token(s, sampled, logprob)
+    return transition(spec, written, w).replace(cache=cache, step=s.step + 1)
 
 
 def decode(
@@ -411,34 +265,6 @@ def decode(
     return state
 
 
-# LoopState fields that are not per row: everything else is [B, ...]; the cache has its own
-# row methods.
-_SHARED_FIELDS = ("cache", "key", "step")
-
-
-def take_rows(state: LoopState, rows: jax.Array) -> LoopState:
-    """The state of rows `rows` [b] alone: a smaller batch that decodes as those rows would
-    (with `decode(noise_rows=rows)`), for a host turn that resumes only some rows."""
-    per_row = {
-        f.name: getattr(state, f.name)[rows]
-        for f in dataclasses.fields(state)
-        if f.name not in _SHARED_FIELDS
-    }
-    return state.replace(cache=state.cache.take_rows(rows), **per_row)
-
-
-def put_rows(state: LoopState, part: LoopState, rows: jax.Array) -> LoopState:
-    """`state` with rows `rows` [b] replaced by `part` (a `take_rows` state decoded on), and
-    its step counter."""
-    per_row = {
-        f.name: getattr(state, f.name).at[rows].set(getattr(part, f.name))
-        for f in dataclasses.fields(state)
-        if f.name not in _SHARED_FIELDS
-    }
-    cache = state.cache.put_rows(rows, part.cache)
-    return state.replace(cache=cache, step=part.step, **per_row)
-
-
 def append_tokens(
     graphdef: nnx.GraphDef,
     params: Any,
@@ -491,33 +317,4 @@ def append_tokens(
         cache=cache,
         role=jnp.where(take, Role.ACT, state.role).astype(jnp.int8),
         status=status.astype(jnp.int8),
-    )
-
-
-@struct.dataclass
-class Trajectories:
-    """Host-side result of a decode: numpy arrays in the DESIGN.md trajectory layout."""
-
-    tokens: np.ndarray  # int32 [B, T] (right-padded with pad_id)
-    roles: np.ndarray  # int8 [B, T]
-    segments: np.ndarray  # int32 [B, T]
-    logprobs: np.ndarray  # float32 [B, T]
-    lengths: np.ndarray  # int32 [B]
-    status: np.ndarray  # int8 [B]
-    act_turns: np.ndarray  # int32 [B]
-
-
-def to_trajectories(state: LoopState, pad_id: int) -> Trajectories:
-    """Copies the finished state to the host, padding past each row's length with pad_id."""
-    length = np.asarray(state.length)
-    T = state.tokens.shape[1]
-    past = np.arange(T)[None, :] >= length[:, None]
-    return Trajectories(
-        tokens=np.where(past, pad_id, np.asarray(state.tokens)).astype(np.int32),
-        roles=np.where(past, 0, np.asarray(state.roles)).astype(np.int8),
-        segments=np.where(past, 0, np.asarray(state.segments)).astype(np.int32),
-        logprobs=np.where(past, 0.0, np.asarray(state.logprobs)).astype(np.float32),
-        lengths=length.astype(np.int32),
-        status=np.asarray(state.status).astype(np.int8),
-        act_turns=np.asarray(state.act_turns).astype(np.int32),
     )

@@ -19,6 +19,7 @@ compiles and runs the same program.
 from __future__ import annotations
 
 import contextlib
+import copy
 import types
 from collections.abc import Sequence
 
@@ -84,9 +85,13 @@ class Sampler:
             donate_argnums=(2,),
         )
 
-    def set_params(self, params) -> None:
-        """Swaps in new parameters (the model's tree), e.g. after a train step."""
-        self._weights.set(params)
+    def with_params(self, params) -> Sampler:
+        """A sampler over `params` (the model's tree, e.g. a train step's) that shares this one's
+        compiled calls; this one keeps its own parameters, so no caller changes what another
+        samples with."""
+        view = copy.copy(self)
+        view._weights = self._weights.bound(params)
+        return view
 
     @property
     def params(self):

@@ -297,8 +297,6 @@ def insert_memory(messages: Sequence[Mapping], memory: str | None) -> list[dict]
     return out
 
 
-
-
 def reference_plan(task: Any) -> tuple[list[tuple[str, Any]], list[str]]:
     """The calls and response texts of a task's reference conversation, in order."""
     calls, responses = [], []

@@ -155,10 +155,10 @@ class TestTimeRehearsal:
 
     def _attempts(self, params, tasks: Sequence[Any], contexts: Sequence[str], key) -> list:
         """One world-rehearsal attempt per row (row b: tasks[b] with contexts[b] inserted)."""
-        self.rehearse_sampler.set_params(params)
+        sampler = self.rehearse_sampler.with_params(params)
         prompts = [self.prompt(t, c) for t, c in zip(tasks, contexts, strict=True)]
         users = [later_user_turns(self.tokenizer, t.reference_messages) for t in tasks]
-        out = self.rehearse_sampler.generate(
+        out = sampler.generate(
             prompts,
             key=key,
             sampling=self.sampling,
@@ -245,7 +245,7 @@ class TestTimeRehearsal:
 
     def _write(self, params, tasks, system: str, requests: Sequence[str], key) -> list[str]:
         """Greedy policy-written text, one per (task, request) row, cleaned for insertion."""
-        self.generate_sampler.set_params(params)
+        sampler = self.generate_sampler.with_params(params)
         prompts = []
         for task, request in zip(tasks, requests, strict=True):
             context = "\n\n".join(str(m.get("content") or "") for m in task.messages)
@@ -254,7 +254,7 @@ class TestTimeRehearsal:
                 {"role": "user", "content": f"Task:\n{context}\n\n{request}"},
             ]
             prompts.append(render(self.tokenizer, messages, None, add_generation_prompt=True))
-        out = self.generate_sampler.generate(
+        out = sampler.generate(
             prompts,
             key=key,
             sampling=GREEDY,
@@ -294,12 +294,12 @@ class TestTimeRehearsal:
                 first.setdefault((id(t), tuple(prompts[i])), i)
             rows = sorted(set(first.values()))
             of_row = {i: first[(id(t), tuple(prompts[i]))] for i, t in enumerate(tasks)}
-        self.host_sampler.set_params(params)
+        sampler = self.host_sampler.with_params(params)
         results = []
         for c, start in enumerate(range(0, len(rows), self.commit_rows)):
             chunk = rows[start : start + self.commit_rows]
             results += real_env_rollouts(
-                self.host_sampler,
+                sampler,
                 self.tokenizer,
                 [tasks[i] for i in chunk],
                 make_env,

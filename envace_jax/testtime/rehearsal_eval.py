@@ -18,7 +18,7 @@ generation seed `config.seed + s`) are run:
 * **parallel / sequential rehearsal** with N = max(`rehearsal.budgets`) attempts, by the
   EnvACE-trained policy and by the warm-start policy as the rehearser; the memory of every
   budget N' in `rehearsal.budgets` comes from the first N' attempts (see
-  `rollout.test_time`), and conditions one committed run.
+  `testtime.rehearsal`), and conditions one committed run.
 
 The committed run is always the EnvACE-trained policy's, greedy, in a fresh
 real environment; the rehearser only writes the attempts, their assessments and (format
@@ -44,10 +44,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 
+from envace_jax import knobs
+from envace_jax.configuration import JobConfig
 from envace_jax.envs.registry import domain
 from envace_jax.runtime import checkpoint as ckpt_lib
 from envace_jax.runtime.build import build_mesh, build_model, build_tokenizer
@@ -74,7 +75,7 @@ class RehearsalEvalError(ValueError):
 # ------------------------------------------------------------------------------- loading
 
 
-def train_dirs(config: ml_collections.ConfigDict, workdir: str) -> tuple[str, str]:
+def train_dirs(config: JobConfig, workdir: str) -> tuple[str, str]:
     """(checkpoints directory, train workdir) of `rehearsal.checkpoint_dir` (or `workdir`),
     which may name the train workdir or its checkpoints/ directory."""
     root = os.path.abspath(config.rehearsal.checkpoint_dir or workdir)
@@ -87,7 +88,7 @@ def train_dirs(config: ml_collections.ConfigDict, workdir: str) -> tuple[str, st
     )
 
 
-def check_architecture(config: ml_collections.ConfigDict, saved: dict, where: str) -> None:
+def check_architecture(config: JobConfig, saved: dict, where: str) -> None:
     """Raises naming every architecture key whose value differs from the checkpoint's."""
     if differ := config_differences(config_json(config), saved, ARCH_KEYS):
         flags = " ".join(f"--config.{d}" for d in differ)
@@ -318,7 +319,7 @@ def plot(agg: dict, budgets: Sequence[int], png: str) -> None:
     plt.close(fig)
 
 
-def workdir_policies(config: ml_collections.ConfigDict, workdir: str):
+def workdir_policies(config: JobConfig, workdir: str):
     """(mesh, tokenizer, model, policies, info) of a job that evaluates a trained workdir's
     policies (`load_policies`) with the config's architecture."""
     mesh = build_mesh(config)
@@ -328,7 +329,7 @@ def workdir_policies(config: ml_collections.ConfigDict, workdir: str):
     return mesh, tokenizer, model, policies, info
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def run(config: JobConfig, workdir: str) -> dict:
     r = config.rehearsal
     t_start = time.time()
     mesh, tokenizer, model, policies, info = workdir_policies(config, workdir)
@@ -375,7 +376,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     plot(agg, budgets, png)
     with open(os.path.join(workdir, "rehearsal_eval.md"), "w") as f:
         f.write(text + "\n")
-    result = {"info": info, "config": json.loads(json.dumps(r.to_dict())), "per_seed": per_seed}
+    config_out = json.loads(json.dumps(knobs.as_dict(r)))
+    result = {"info": info, "config": config_out, "per_seed": per_seed}
     result["aggregate"] = agg
     with open(os.path.join(workdir, "rehearsal_eval.json"), "w") as f:
         json.dump(result, f, indent=1)

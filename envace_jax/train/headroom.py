@@ -19,8 +19,8 @@ import os
 import time
 
 import jax
-import ml_collections
 
+from envace_jax.configuration import JobConfig
 from envace_jax.envs.registry import domain
 from envace_jax.runtime.metrics import table
 from envace_jax.sampling.chat_spec import turn_spec
@@ -42,7 +42,7 @@ def headroom_table(by_policy: dict[str, dict[str, dict[str, float]]], k: int) ->
     return table(rows, header)
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def run(config: JobConfig, workdir: str) -> dict:
     t0 = time.time()
     mesh, tokenizer, model, policies, info = workdir_policies(config, workdir)
     chosen = {"warm start": policies["warm-start"]}
@@ -61,9 +61,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     by_policy = {}
     for name, p in chosen.items():
         print(f"[headroom] {name}: {len(tasks)} tasks, greedy + {k} samples each", flush=True)
-        sampler.set_params(p)
         by_policy[name] = headroom(
-            sampler,
+            sampler.with_params(p),
             tokenizer,
             tasks,
             env_domain.make_env,

@@ -1,4 +1,4 @@
-"""What each training mode decides inside the one trainer loop (`rollout.modes` names them).
+"""What each training mode decides inside the one trainer loop (`envace_jax.modes` declares them).
 
 A strategy owns the two samplers (host turns in the real environment; world rehearsal), and
 answers the loop's mode questions: is there an RL phase, what is the RL state's layout, which
@@ -14,8 +14,8 @@ exported. The loop asks; it never branches on the mode.
     RolePolicies   'envace_noshare' (each role its own trained set), 'external_simulator'
                    (REHEARSE by a frozen copy of the warm start)
 
-Another way to produce REHEARSE messages is another subclass overriding `rollouts` and
-`rehearsals`, chosen in `strategy`.
+A new mode is a row of `envace_jax.modes` naming a class here (or anywhere): usually a
+subclass of `SharedPolicy` that overrides `rollouts` and `rehearsals`.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from flax import nnx, struct
 
 from envace_jax import parallel
 from envace_jax.envs.base import CallCounter
+from envace_jax.modes import Mode
 from envace_jax.rl.steps import TrainState, frozen_copy, init_train_state
 from envace_jax.rollout.grounded import grounded_rollouts
-from envace_jax.rollout.modes import MODE_SPECS, ModeSpec, mode_spec, real_env_group_rollouts
+from envace_jax.rollout.real_env import real_env_group_rollouts
 from envace_jax.rollout.role_models import role_decoders, role_state
 from envace_jax.rollout.world_rehearsal import GroupSampling, RolloutBatch, rehearsal_rollouts
 from envace_jax.sampling.chat_spec import turn_spec
@@ -83,10 +84,8 @@ class RolloutSetup:
 class SharedPolicy:
     """'envace': world rehearsal by the policy, whose one parameter set plays both roles."""
 
-    has_rl = True
-
-    def __init__(self, spec: ModeSpec, setup: RolloutSetup):
-        self.spec, self.setup = spec, setup
+    def __init__(self, row: Mode, setup: RolloutSetup):
+        self.row, self.setup = row, setup
         r, tok = setup.rollout, setup.tokenizer
         common = dict(max_turns=r.max_turns, max_message_tokens=r.max_message_tokens)
         pad = tok.pad_token_id
@@ -118,24 +117,22 @@ class SharedPolicy:
         return params
 
     def host(self, params: Any) -> Sampler:
-        """The host-turn sampler holding `params`'s ACT player."""
-        self.host_sampler.set_params(self.act_params(params))
-        return self.host_sampler
+        """The host-turn sampler over `params`'s ACT player."""
+        return self.host_sampler.with_params(self.act_params(params))
 
     def rehearsals(self, params: Any) -> Callable[..., RolloutBatch]:
         """`(tasks, group, layout=) -> RolloutBatch`: world-rehearsal episodes by `params`'s
         players in this mode's view (what fidelity is measured on)."""
-        self.rehearse_sampler.set_params(self.rehearsal_params(params))
+        sampler = self.rehearse_sampler.with_params(self.rehearsal_params(params))
         return functools.partial(
-            rehearsal_rollouts, self.rehearse_sampler, self.setup.tokenizer, judge=self.setup.judge
+            rehearsal_rollouts, sampler, self.setup.tokenizer, judge=self.setup.judge
         )
 
     def rollouts(self, params, tasks: Sequence[Any], key, sampling: SamplingParams) -> RolloutBatch:
         """The RL step's judged batch for `tasks` (`rollout.group_size` trajectories each)."""
-        self.rehearse_sampler.set_params(self.rehearsal_params(params))
         group = self._group(key, sampling)
         return rehearsal_rollouts(
-            self.rehearse_sampler,
+            self.rehearse_sampler.with_params(self.rehearsal_params(params)),
             self.setup.tokenizer,
             tasks,
             group,
@@ -185,19 +182,16 @@ class GroundedPolicy(SharedPolicy):
 
 
 class WarmStartOnly(SharedPolicy):
-    """'sft_only': the warm start, no RL steps."""
-
-    has_rl = False
+    """'sft_only': the warm start, no RL steps (its row's batch is 'none')."""
 
 
 class RealEnvPolicy(SharedPolicy):
     """'grpo_real_env': GRPO on host turns in the real environment (observations as CONTEXT)."""
 
     def rollouts(self, params, tasks: Sequence[Any], key, sampling: SamplingParams) -> RolloutBatch:
-        self.host_sampler.set_params(self.act_params(params))
         group = self._group(key, sampling)
         return real_env_group_rollouts(
-            self.host_sampler, self.setup.tokenizer, tasks, self.setup.make_env, group
+            self.host(params), self.setup.tokenizer, tasks, self.setup.make_env, group
         )
 
 
@@ -206,19 +200,18 @@ class CorruptedWorldPolicy(SharedPolicy):
     sensitivity control); its calls are simulator calls (`sim_calls`), never the
     environment's. With `rollout.corruption_rate` 0 it samples what 'grpo_real_env' does."""
 
-    def __init__(self, spec: ModeSpec, setup: RolloutSetup):
+    def __init__(self, row: Mode, setup: RolloutSetup):
         if setup.corrupted_envs is None:
             raise ValueError("config.mode = 'corrupted_world': the domain has no corrupted world")
-        super().__init__(spec, setup)
+        super().__init__(row, setup)
 
     def rollouts(self, params, tasks: Sequence[Any], key, sampling: SamplingParams) -> RolloutBatch:
         r = self.setup.rollout
         # The corruption draws are keyed by the step's key, so a resumed run redraws the same.
         seed = int(np.asarray(jax.random.key_data(key)).ravel()[-1])
         world = CallCounter(self.setup.corrupted_envs(r.corruption, r.corruption_rate, seed))
-        self.host_sampler.set_params(self.act_params(params))
         rb = real_env_group_rollouts(
-            self.host_sampler, self.setup.tokenizer, tasks, world, self._group(key, sampling)
+            self.host(params), self.setup.tokenizer, tasks, world, self._group(key, sampling)
         )
         # Tool errors were the corrupted world's; its success test, against the task's true final
         # state, says nothing of a world whose state was redrawn.
@@ -230,9 +223,9 @@ class RolePolicies(SharedPolicy):
     """A parameter set per role in one decode loop: REHEARSE trained on its own tokens
     ('envace_noshare') or frozen at the warm start ('external_simulator')."""
 
-    def __init__(self, spec: ModeSpec, setup: RolloutSetup):
-        self.train_rehearser = spec.rehearser == "separate"
-        super().__init__(spec, setup)
+    def __init__(self, row: Mode, setup: RolloutSetup):
+        self.train_rehearser = "rehearse" in row.trains
+        super().__init__(row, setup)
 
     def rehearser(self, spec) -> nnx.Module:
         graphdef, params, _ = nnx.split(self.setup.model, nnx.Param, ...)
@@ -292,21 +285,6 @@ def _role_grpo_step(act_step, rehearse_step, state: RoleStates, batch, *ref):
     return RoleStates(act, rehearse), metrics
 
 
-STRATEGIES: dict[str, type[SharedPolicy]] = {
-    "envace": SharedPolicy,
-    "envace_noshare": RolePolicies,
-    "external_simulator": RolePolicies,
-    "grpo_real_env": RealEnvPolicy,
-    "corrupted_world": CorruptedWorldPolicy,
-    "sft_only": WarmStartOnly,
-}
-assert set(STRATEGIES) == set(MODE_SPECS), "every mode needs a strategy"
-
-
-def strategy(mode: str, setup: RolloutSetup) -> SharedPolicy:
-    """The strategy of `config.mode` and `config.rollout.rehearsal_view` (ValueError naming the
-    key for an unknown mode)."""
-    spec = mode_spec(mode)
-    if spec.name == "envace" and setup.rollout.rehearsal_view == "grounded":
-        return GroundedPolicy(spec, setup)
-    return STRATEGIES[spec.name](spec, setup)
+def strategy(row: Mode, setup: RolloutSetup) -> SharedPolicy:
+    """The strategy of mode-table row `row` (`modes.lookup(config.mode, view)`)."""
+    return row.strategy_class()(row, setup)

@@ -1,11 +1,12 @@
 """The EnvACE training loop: warm-start SFT -> world-rehearsal RL -> real-environment evaluation.
 
-    Trainer(config, workdir).run()              # or Trainer(config, workdir, Hooks(...))
+    Trainer(configuration.load(config), workdir).run()   # or Trainer(job, workdir, Hooks(...))
 
 The tasks, environment and oracle come from the domain `data.env` names (`envs.registry`);
 what a mode decides (rollouts, state layout, who plays each role, exports) from its strategy
-(`strategies`); the run directory's layout and warm-start lookup from `workdir`; the summary
-and curves from `report`. `Hooks` observe a run at each checkpoint and at its end.
+(`strategies`, from its row of `envace_jax.modes`); the run directory's layout and warm-start
+lookup from `runtime.workdir`; the summary and curves from `report`. `Hooks` observe a run at
+each checkpoint and at its end. Both phases run in one loop frame (`Phase`, `_loop`).
 
 1. **Warm start.** Cross-entropy on oracle demonstrations of the training tasks, both roles: the
    agent's messages (ACT) and the real environment's responses (REHEARSE targets).
@@ -38,19 +39,15 @@ metrics, plots and the summary come from process 0 (every process takes part in 
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_collections
 from flax import nnx
 
-from envace_jax import parallel
-from envace_jax.configuration import step_configs
+from envace_jax import modes, parallel
+from envace_jax.configuration import JobConfig
 from envace_jax.data.stream import TaskStream, length_grouped_batch
 from envace_jax.envs.base import CallCounter
 from envace_jax.envs.registry import domain
@@ -83,51 +80,61 @@ from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.train import evaluation, report, warm_start_data
 from envace_jax.train.diagnostics import build_copy_probe, copy_metrics
 from envace_jax.train.evaluation import eval_from_dict
+from envace_jax.train.phase import Hooks, Phase, check_finite, float_metrics, ignore
 from envace_jax.train.strategies import RolloutSetup, strategy
 
 
-class TrainingDiverged(RuntimeError):
-    """A loss or gradient norm was NaN or inf."""
-
-
-def check_finite(metrics: dict[str, float], phase: str, step: int, last_good) -> None:
-    """Stops the run, without saving, at a non-finite loss or gradient norm."""
-    bad = [k for k in ("loss", "grad_norm") if k in metrics and not math.isfinite(metrics[k])]
-    if bad:
-        raise TrainingDiverged(
-            f"{phase} step {step}: {', '.join(f'{k}={metrics[k]}' for k in bad)}; stopping "
-            f"without saving. The last good checkpoint is step {last_good}."
-        )
-
-
-def _ignore(*args) -> None:
-    pass
-
-
-@dataclasses.dataclass
-class Hooks:
-    """Callbacks with which a caller (a test, a tool) observes a run without patching it."""
-
-    on_checkpoint: Callable[[int, Any, dict], None] = _ignore  # (step, state, meta), after a save
-    on_finish: Callable[[Any], None] = _ignore  # (final state), before the outputs are written
-
-
 class Trainer:
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str, hooks: Hooks | None = None):
-        self.config = config
-        self.workdir = workdir
-        self.hooks = hooks or Hooks()
+    def __init__(self, config: JobConfig, workdir: str, hooks: Hooks | None = None):
+        if not isinstance(config, JobConfig):
+            raise TypeError("Trainer takes a JobConfig: configuration.load(config_dict)")
+        self.config, self.workdir, self.hooks = config, workdir, hooks or Hooks()
         self.judge = build_judge(config.judge)
         self.judge.check()  # a judge that is down stops the job before any work
-        self.steps_cfg = step_configs(config)
         self.mesh = build_mesh(config)
         self.tokenizer = build_tokenizer(config)
         self.model = build_model(config, self.tokenizer, self.mesh)
         self.graphdef, params, self.rest = nnx.split(self.model, nnx.Param, ...)
+        self.pad_id = self.tokenizer.pad_token_id
         self.key = jax.random.key(config.seed)
         self.eval_key = jax.random.fold_in(self.key, 2**31 - 1)  # a stream apart from training
         self._final_eval_key = jax.random.fold_in(self.eval_key, 2**30)
+        self._tasks(config)
         s, r = config.schedule, config.rollout
+        self.sft_tx = make_optimizer(config.sft_optim)
+        longest = max(r.length_buckets)
+        self.sft_shardings = make_shardings(
+            self.mesh, params, self.sft_tx, (s.sft_batch_size, longest)
+        )
+        self.sft_step = make_sft_step(
+            self.model, self.sft_tx, config.sft, shardings=self.sft_shardings
+        )
+        # RL's environment calls are counted: world rehearsal makes none.
+        self.rl_envs = CallCounter(self.domain.make_env)
+        setup = RolloutSetup(
+            self.model,
+            self.tokenizer,
+            self.rl_envs,
+            r,
+            self.rl_layout,
+            self.domain.corrupted_envs,
+            self.judge,
+        )
+        self.mode = strategy(modes.lookup(config.mode, r.rehearsal_view), setup)
+        self.sft_steps = s.sft_steps
+        self.rl_steps = s.rl_steps if self.mode.row.has_rl else 0
+        self.rl_tx = self.rl_shardings = self.grpo_step = None
+        if self.rl_steps:
+            self._build_rl(params)
+        self.run_dir = RunDir(config, workdir)
+        self.writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
+        self._demos = None
+        self._probe = None
+
+    def _tasks(self, config: JobConfig) -> None:
+        """The domain, its training and held-out tasks, and the rows of each global batch this
+        process builds (every row on one host)."""
+        r = config.rollout
         # Task files: each process reads its share of the training rows, and samples the groups
         # of its own rows. The grounded view builds the whole batch on every process, so there
         # every process reads every row.
@@ -142,48 +149,275 @@ class Trainer:
             self.eval_kind = "environment" if self.domain.has_env else "checklist"
         self.train_tasks = self.domain.generate_tasks(config.seed, config.data.train_tasks, "train")
         self.eval_tasks = self.domain.held_out_tasks(config)
-        self.pad_id = self.tokenizer.pad_token_id
-        rl_rows = r.group_size * r.tasks_per_step
-        # Multi-host: the rows of each global batch this process builds (every row on one host).
-        self.sft_layout = parallel.row_layout(self.mesh, s.sft_batch_size)
-        self.rl_layout = parallel.row_layout(self.mesh, rl_rows)
+        self.sft_layout = parallel.row_layout(self.mesh, config.schedule.sft_batch_size)
+        self.rl_layout = parallel.row_layout(self.mesh, r.group_size * r.tasks_per_step)
         if process[1] > 1 and not self.domain.has_env:
             # Each host holds only its share of the training tasks, so every group must be
             # sampled on one host.
             parallel.check_whole_groups(self.rl_layout, r.group_size, "rollout.group_size")
 
-        self.sft_tx = make_optimizer(self.steps_cfg["sft_optim"])
-        self.rl_tx = make_optimizer(self.steps_cfg["optim"])
-        longest = max(r.length_buckets)
-        self.sft_shardings = make_shardings(
-            self.mesh, params, self.sft_tx, (s.sft_batch_size, longest)
-        )
-        self.rl_shardings = make_shardings(self.mesh, params, self.rl_tx, (rl_rows, longest))
-        self.sft_step = make_sft_step(
-            self.model, self.sft_tx, self.steps_cfg["sft"], shardings=self.sft_shardings
-        )
-        # RL's environment calls are counted: world rehearsal makes none.
-        self.rl_envs = CallCounter(self.domain.make_env)
-        setup = RolloutSetup(
-            self.model,
-            self.tokenizer,
-            self.rl_envs,
-            r,
-            self.rl_layout,
-            self.domain.corrupted_envs,
-            self.judge,
-        )
-        self.mode = strategy(config.mode, setup)
-        self.sft_steps = s.sft_steps
-        self.rl_steps = s.rl_steps if self.mode.has_rl else 0
+    def _build_rl(self, params) -> None:
+        """The RL phase's optimizer, shardings and GRPO step (only for a mode that trains RL)."""
+        r = self.config.rollout
+        self.rl_tx = make_optimizer(self.config.optim)
+        rows = (r.group_size * r.tasks_per_step, max(r.length_buckets))
+        self.rl_shardings = make_shardings(self.mesh, params, self.rl_tx, rows)
         self.grpo_step = self.mode.grpo_step(
             lambda c: make_grpo_step(self.model, self.rl_tx, c, shardings=self.rl_shardings),
-            self.steps_cfg["grpo"],
+            self.config.grpo,
         )
-        self.run_dir = RunDir(config, workdir)
-        self.writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
-        self._demos = None
-        self._probe = None
+
+    # ------------------------------------------------------------------------------- run
+
+    def run(self, force: bool = False) -> dict[str, Any]:
+        """Trains, or resumes from the newest readable checkpoint. A finished run (its final
+        checkpoint restored) only writes its outputs again; `force` redoes its evaluation."""
+        t_start = time.time()
+        step, state, meta = self.restore()
+        if meta.get("phase") == "done" and step == self.sft_steps + self.rl_steps and not force:
+            print(f"the run is complete (step {step}); --force redoes its final evaluation")
+            final = eval_from_dict(meta["final_eval"])
+            return self._finish(state, meta["sft_eval"], final, 0.0)
+        if state is None and self.config.schedule.warm_start_dir:
+            step, state, meta = self.load_warm_start(self.config.schedule.warm_start_dir)
+        if state is None:
+            state = self.fresh_state(nnx.state(self.model, nnx.Param), "sft")
+        if step < self.sft_steps:
+            state = self._loop(self._sft_phase(), state, step)
+            step = self.sft_steps
+        if "sft_eval" not in meta:
+            state, meta = self._end_warm_start(step, state, meta)
+        last = self.sft_steps + self.rl_steps
+        if self.rl_steps:
+            state = self._run_rl(state, step, meta)
+            final = self.evaluate(state.params, self.eval_tasks, self._final_eval_key)
+            self.writer.write(self.rl_steps, "eval", final.as_dict(), global_step=last)
+        else:  # the final policy is the warm start, evaluated once (metrics has its row)
+            final = eval_from_dict(meta["sft_eval"])
+        self._save(last, state, {**meta, "phase": "done", "final_eval": final.as_dict()})
+        self.run_dir.checkpointer.wait()
+        return self._finish(state, meta["sft_eval"], final, time.time() - t_start)
+
+    def _loop(self, phase: Phase, state, start: int):
+        """The frame both phases share: stop point, update, metrics row with a finite check,
+        progress line, what follows the row, checkpoint."""
+        s = self.config.schedule
+        progress = Progress(phase.title, phase.steps, start)
+        last_good = phase.offset + start
+        for i in range(start + 1, phase.steps + 1):
+            g = phase.offset + i
+            self._step_boundary()
+            state, metrics = phase.step(state, i)
+            logged = phase.logs(i)
+            if logged:
+                m = float_metrics(metrics)
+                check_finite(m, phase.what, g, last_good)
+                shown = phase.shown(state, i, m)
+                self.writer.write(i, phase.name, m, global_step=g)
+                progress.update(i, **shown)
+            phase.after(state, i)
+            if i % s.checkpoint_every == 0 and i < phase.steps:
+                if not logged:
+                    check_finite(float_metrics(metrics), phase.what, g, last_good)
+                self._save(g, state, phase.meta(i))
+                last_good = g
+        return state
+
+    # --------------------------------------------------------------------------- warm start
+
+    def _sft_phase(self) -> Phase:
+        s = self.config.schedule
+        if self._demos is None:
+            self._demos = self.sft_examples()
+        lengths = [len(d.ids) for d in self._demos]
+
+        def step(state, i):
+            indices = length_grouped_batch(
+                lengths, self.config.seed, i - 1, s.sft_batch_size, s.sft_length_window
+            )
+            return self.sft_step(state, self.sft_batch(indices))
+
+        def shown(state, i, m):
+            out = {"loss": m["loss"], "nll": m["nll"]}
+            if s.probe_every and (i % s.probe_every == 0 or i == self.sft_steps):
+                probe = self._copy_metrics(state.params)
+                m.update(probe)
+                # The bar shows the three headline scores; the per-tool ones go to the logs.
+                out.update({k.split("/")[1]: v for k, v in probe.items() if k.count("/") == 1})
+            return out
+
+        return Phase(
+            name="sft",
+            what="warm-start",
+            title="warm start",
+            offset=0,
+            steps=self.sft_steps,
+            step=step,
+            logs=lambda i: i % s.log_every == 0 or i == self.sft_steps,
+            shown=shown,
+            after=ignore,
+            meta=lambda i: {"phase": "sft", "data_position": i * s.sft_batch_size},
+        )
+
+    def sft_examples(self) -> list:
+        """The warm start's demonstrations, one per training task (`warm_start_data`)."""
+        return warm_start_data.demonstrations(
+            self.config, self.domain, self.train_tasks, self.tokenizer
+        )
+
+    def sft_batch(self, indices: list[int]):
+        """The warm-start batch of demonstrations `indices`; this process builds its rows only."""
+        if self._demos is None:
+            self._demos = self.sft_examples()
+        layout = self.sft_layout
+        rows = [self._demos[indices[i] % len(self._demos)] for i in layout.rows]
+        batch = warm_start_data.rows_batch(rows, layout.rows, self.pad_id)
+        T = batch.tokens.shape[1]
+        longest = parallel.process_max(T)  # every process pads to the same bucket
+        bucket = smallest_fitting_bucket(longest, self.config.rollout.length_buckets)
+        batch = pad_to_bucket(batch, (bucket,), pad_id=self.pad_id)
+        return self._global_batch(batch, layout, self.sft_shardings)
+
+    def _global_batch(self, batch, layout: parallel.RowLayout, shardings):
+        """The step's global batch from host rows: this process's rows (`layout.rows`) of a
+        multi-process run, or else a whole batch that every process built (of any row count: a
+        grounded batch adds simulator rows)."""
+        if batch.shape[0] == len(layout.rows) != layout.size:
+            return jax.tree.map(layout.to_global, batch)
+        return shard_batch(batch, shardings)
+
+    def _copy_metrics(self, params) -> dict[str, float]:
+        """Teacher-forced accuracy on held-out demonstrations (`train.diagnostics`): does the
+        policy copy ids and amounts yet? Single-process runs only (the probe batch is a host
+        array, not a global one)."""
+        if jax.process_count() > 1:
+            return {}
+        if self._probe is None:
+            tasks = self.eval_tasks[: self.config.eval.probe_tasks]
+            examples = self.domain.demonstrations(tasks, self.tokenizer)
+            longest = max(len(e.ids) for e in examples)
+            length = smallest_fitting_bucket(longest, self.config.rollout.length_buckets)
+            tools = self.domain.response_tools(tasks)
+            self._probe = build_copy_probe(examples, self.tokenizer, self.pad_id, length, tools)
+        sh = self.sft_shardings
+        with jax.set_mesh(sh.mesh), parallel.axis_rules(sh.rules):
+            return copy_metrics(nnx.merge(self.graphdef, params, self.rest), self._probe)
+
+    def _end_warm_start(self, step: int, state, meta: dict[str, Any]) -> tuple[Any, dict]:
+        """Evaluates the warm start (or takes over the evaluation of the run it was loaded
+        from), keeps it in warm_start/, and opens the RL phase with a fresh optimizer."""
+        ev = None
+        if meta.get("warm_start_eval"):  # evaluated by the run it was loaded from
+            ev = eval_from_dict(meta["warm_start_eval"])
+        elif not self.rl_steps:  # the final policy: evaluated under the final evaluation's key
+            ev = self.evaluate(state.params, self.eval_tasks, self._final_eval_key)
+        elif self.config.schedule.eval_warm_start:
+            ev = self.evaluate(state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, 0))
+        warm = {k: meta[k] for k in ("warm_start_dir",) if k in meta}
+        meta = {"phase": "rl", "sft_eval": ev and ev.as_dict(), **warm}
+        if ev is not None:
+            self.writer.write(0, "eval", ev.as_dict(), global_step=step)
+            print(f"[eval] warm start: {ev.line()}")
+        if self.config.rehearsal.keep_warm_start:
+            self.run_dir.keep_warm_start(step, state.params, meta)
+        if self.rl_steps:
+            state = self.fresh_state(state.params, "rl")
+            self._save(step, state, {**meta, "data_position": 0})  # the RL phase's start
+        return state, meta
+
+    # --------------------------------------------------------------------------------- RL
+
+    def rollouts(self, params, tasks, key, sampling: SamplingParams):
+        """The RL phase's judged training batch for `tasks`, by `config.mode` (`strategies`)."""
+        return self.mode.rollouts(params, tasks, key, sampling)
+
+    def _run_rl(self, state: TrainState, start: int, meta: dict[str, Any]) -> TrainState:
+        r, s = self.config.rollout, self.config.schedule
+        rl_start = start - self.sft_steps
+        stream = TaskStream(
+            range(len(self.train_tasks)), self.config.seed + 1, position=rl_start * r.tasks_per_step
+        )
+        sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p)
+        ref = (self._kl_reference(state, rl_start),) if self.config.grpo.use_kl else ()
+
+        def step(state, i):
+            g = self.sft_steps + i
+            t0, calls = time.time(), self.rl_envs.calls
+            tasks = [self.train_tasks[k] for k in stream.next_indices(r.tasks_per_step)]
+            rb = self.rollouts(state.params, tasks, jax.random.fold_in(self.key, g), sampling)
+            t1 = time.time()
+            batch = self._global_batch(rb.batch, self.rl_layout, self.rl_shardings)
+            state, metrics = self.grpo_step(state, batch, *ref)
+            m = {k: float(v) for k, v in metrics.items()}
+            m.update({f"rollout_{k}": v for k, v in rb.stats.items()})
+            m.update(rollout_s=t1 - t0, update_s=time.time() - t1)
+            m["env_calls"] = self.rl_envs.calls - calls
+            return state, m
+
+        def shown(state, i, m):
+            out = {"reward": m["rollout_reward"], "loss": m["loss"]}
+            if "rollout_judge_error_share" in m:  # a judge that fails shows, even under the bar
+                out["judge_err"] = m["rollout_judge_error_share"]
+            return out
+
+        def after(state, i):
+            if s.eval_every and i % s.eval_every == 0 and i < self.rl_steps:
+                g = self.sft_steps + i
+                curve = not self.config.eval.curve_avg4
+                key = jax.random.fold_in(self.eval_key, g)
+                ev = self.evaluate(state.params, self.eval_tasks, key, greedy_only=curve)
+                self.writer.write(i, "eval", ev.as_dict(), global_step=g)
+                print(f"[eval] RL step {i}: {ev.line()}")
+
+        phase = Phase(
+            name="rl",
+            what="RL",
+            title=f"RL {self.config.mode}",
+            offset=self.sft_steps,
+            steps=self.rl_steps,
+            step=step,
+            logs=lambda i: True,
+            shown=shown,
+            after=after,
+            meta=lambda i: {**meta, "phase": "rl", "data_position": stream.position},
+        )
+        return self._loop(phase, state, rl_start)
+
+    def _kl_reference(self, state, rl_start: int):
+        """The KL penalty's reference policy: the warm start's params (a copy of the state's at
+        the start of RL, else the copy kept in warm_start/ when the run resumes mid-RL)."""
+        if rl_start == 0:
+            return frozen_copy(self.mode.act_params(state.params))
+        target = params_target(nnx.state(self.model, nnx.Param), self.mesh)
+        return self.run_dir.kept_warm_start(self.sft_steps, target, "grpo.use_kl: resuming RL")
+
+    # -------------------------------------------------------------------------- evaluation
+
+    def evaluate(self, params, tasks, key, greedy_only: bool = False):
+        """Committed execution of `tasks` in the real environment by the ACT params (greedy and
+        avg@4, `train.evaluation`), and the fidelity of the REHEARSE player (whoever rehearses
+        in this mode); or, `eval.kind` 'checklist', the judge's checklist score of rehearsed
+        episodes (avg@k, pass@k; `greedy_only` does not apply)."""
+        if self.eval_kind == "checklist":
+            return evaluation.checklist_evaluate(
+                self.mode.rehearsals(params),
+                tasks,
+                self.config.eval,
+                self.config.rollout.length_buckets,
+                key,
+            )
+        return evaluation.evaluate(
+            self.mode.host(params),
+            self.mode.rehearsals(params),
+            self.tokenizer,
+            tasks,
+            self.domain.make_env,
+            self.mesh,
+            self.config.eval,
+            self.config.rollout.length_buckets,
+            key,
+            greedy_only,
+        )
 
     # ------------------------------------------------------------------ state and checkpoints
 
@@ -202,7 +436,7 @@ class Trainer:
 
     def _step_boundary(self) -> None:
         """Where the run stops for a failed background save or a SIGINT that a library
-        swallowed (`interrupts`)."""
+        swallowed (`runtime.interrupts`)."""
         self.run_dir.checkpointer.check()
         interrupts.check()
 
@@ -240,221 +474,6 @@ class Trainer:
         if not config_differences(self.run_dir.config, theirs, EVAL_KEYS):
             meta["warm_start_eval"] = found.meta["sft_eval"]
         return found.step, self.fresh_state(found.params, "sft"), meta
-
-    # --------------------------------------------------------------------------- warm start
-
-    def sft_examples(self) -> list:
-        """The warm start's demonstrations, one per training task (`warm_start_data`)."""
-        return warm_start_data.demonstrations(
-            self.config, self.domain, self.train_tasks, self.tokenizer
-        )
-
-    def _global_batch(self, batch, layout: parallel.RowLayout, shardings):
-        """The step's global batch from host rows: this process's rows (`layout.rows`) of a
-        multi-process run, or else a whole batch that every process built (of any row count: a
-        grounded batch adds simulator rows)."""
-        if batch.shape[0] == len(layout.rows) != layout.size:
-            return jax.tree.map(layout.to_global, batch)
-        return shard_batch(batch, shardings)
-
-    def sft_batch(self, indices: list[int]):
-        """The warm-start batch of demonstrations `indices`; this process builds its rows only."""
-        if self._demos is None:
-            self._demos = self.sft_examples()
-        layout = self.sft_layout
-        rows = [self._demos[indices[i] % len(self._demos)] for i in layout.rows]
-        batch = warm_start_data.rows_batch(rows, layout.rows, self.pad_id)
-        T = batch.tokens.shape[1]
-        longest = parallel.process_max(T)  # every process pads to the same bucket
-        bucket = smallest_fitting_bucket(longest, self.config.rollout.length_buckets)
-        batch = pad_to_bucket(batch, (bucket,), pad_id=self.pad_id)
-        return self._global_batch(batch, layout, self.sft_shardings)
-
-    def _run_sft(self, state: TrainState, start: int) -> TrainState:
-        s = self.config.schedule
-        if self._demos is None:
-            self._demos = self.sft_examples()
-        lengths = [len(d.ids) for d in self._demos]
-        progress = Progress("warm start", self.sft_steps, start)
-        last_good = start
-        for step in range(start + 1, self.sft_steps + 1):
-            self._step_boundary()
-            indices = length_grouped_batch(
-                lengths, self.config.seed, step - 1, s.sft_batch_size, s.sft_length_window
-            )
-            batch = self.sft_batch(indices)
-            state, metrics = self.sft_step(state, batch)
-            if step % s.log_every == 0 or step == self.sft_steps:
-                m = {k: float(v) for k, v in metrics.items()}
-                check_finite(m, "warm-start", step, last_good)
-                shown = {"loss": m["loss"], "nll": m["nll"]}
-                if s.probe_every and (step % s.probe_every == 0 or step == self.sft_steps):
-                    probe = self._copy_metrics(state.params)
-                    m.update(probe)
-                    # The bar shows the three headline scores; the per-tool ones go to the logs.
-                    shown.update(
-                        {k.split("/")[1]: v for k, v in probe.items() if k.count("/") == 1}
-                    )
-                self.writer.write(step, "sft", m)
-                progress.update(step, **shown)
-            if step % s.checkpoint_every == 0 and step < self.sft_steps:
-                m = {k: float(v) for k, v in metrics.items()}
-                check_finite(m, "warm-start", step, last_good)
-                self._save(step, state, {"phase": "sft", "data_position": step * s.sft_batch_size})
-                last_good = step
-        return state
-
-    def _copy_metrics(self, params) -> dict[str, float]:
-        """Teacher-forced accuracy on held-out demonstrations (`envace_jax.train.diagnostics`): does
-        the policy copy ids and amounts yet? Single-process runs only (the probe batch is a
-        host array, not a global one)."""
-        if jax.process_count() > 1:
-            return {}
-        if self._probe is None:
-            tasks = self.eval_tasks[: self.config.eval.probe_tasks]
-            examples = self.domain.demonstrations(tasks, self.tokenizer)
-            longest = max(len(e.ids) for e in examples)
-            length = smallest_fitting_bucket(longest, self.config.rollout.length_buckets)
-            tools = self.domain.response_tools(tasks)
-            self._probe = build_copy_probe(examples, self.tokenizer, self.pad_id, length, tools)
-        sh = self.sft_shardings
-        with jax.set_mesh(sh.mesh), parallel.axis_rules(sh.rules):
-            return copy_metrics(nnx.merge(self.graphdef, params, self.rest), self._probe)
-
-    # -------------------------------------------------------------------------- evaluation
-
-    def evaluate(self, params, tasks, key, greedy_only: bool = False):
-        """Committed execution of `tasks` in the real environment by the ACT params (greedy and
-        avg@4, `envace_jax.train.evaluation`), and the fidelity of the REHEARSE player (whoever
-        rehearses in this mode); or, `eval.kind` 'checklist', the judge's checklist score of
-        rehearsed episodes (avg@k, pass@k; `greedy_only` does not apply)."""
-        if self.eval_kind == "checklist":
-            return evaluation.checklist_evaluate(
-                self.mode.rehearsals(params),
-                tasks,
-                self.config.eval,
-                self.config.rollout.length_buckets,
-                key,
-            )
-        return evaluation.evaluate(
-            self.mode.host(params),
-            self.mode.rehearsals(params),
-            self.tokenizer,
-            tasks,
-            self.domain.make_env,
-            self.mesh,
-            self.config.eval,
-            self.config.rollout.length_buckets,
-            key,
-            greedy_only,
-        )
-
-    # --------------------------------------------------------------------------------- RL
-
-    def rollouts(self, params, tasks, key, sampling: SamplingParams):
-        """The RL phase's judged training batch for `tasks`, by `config.mode` (`strategies`)."""
-        return self.mode.rollouts(params, tasks, key, sampling)
-
-    def _run_rl(self, state: TrainState, start: int, meta: dict[str, Any]) -> TrainState:
-        r, s = self.config.rollout, self.config.schedule
-        rl_start = start - self.sft_steps
-        stream = TaskStream(
-            range(len(self.train_tasks)), self.config.seed + 1, position=rl_start * r.tasks_per_step
-        )
-        sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p)
-        ref = (self._kl_reference(state, rl_start),) if self.steps_cfg["grpo"].use_kl else ()
-        progress = Progress(f"RL {self.config.mode}", self.rl_steps, rl_start)
-        last_good = start
-        for rl_step in range(rl_start + 1, self.rl_steps + 1):
-            self._step_boundary()
-            g = self.sft_steps + rl_step
-            t0, calls = time.time(), self.rl_envs.calls
-            tasks = [self.train_tasks[i] for i in stream.next_indices(r.tasks_per_step)]
-            rb = self.rollouts(state.params, tasks, jax.random.fold_in(self.key, g), sampling)
-            t1 = time.time()
-            batch = self._global_batch(rb.batch, self.rl_layout, self.rl_shardings)
-            state, metrics = self.grpo_step(state, batch, *ref)
-            m = {k: float(v) for k, v in metrics.items()}
-            check_finite(m, "RL", g, last_good)
-            m.update({f"rollout_{k}": v for k, v in rb.stats.items()})
-            m.update(rollout_s=t1 - t0, update_s=time.time() - t1)
-            m["env_calls"] = self.rl_envs.calls - calls
-            self.writer.write(rl_step, "rl", m, global_step=g)
-            shown = {"reward": rb.stats["reward"], "loss": m["loss"]}
-            if "judge_error_share" in rb.stats:  # a judge that fails shows, even under the bar
-                shown["judge_err"] = rb.stats["judge_error_share"]
-            progress.update(rl_step, **shown)
-            if s.eval_every and rl_step % s.eval_every == 0 and rl_step < self.rl_steps:
-                key = jax.random.fold_in(self.eval_key, g)
-                curve = not self.config.eval.curve_avg4
-                ev = self.evaluate(state.params, self.eval_tasks, key, greedy_only=curve)
-                self.writer.write(rl_step, "eval", ev.as_dict(), global_step=g)
-                print(f"[eval] RL step {rl_step}: {ev.line()}")
-            if rl_step % s.checkpoint_every == 0 and rl_step < self.rl_steps:
-                self._save(g, state, {**meta, "phase": "rl", "data_position": stream.position})
-                last_good = g
-        return state
-
-    def _kl_reference(self, state, rl_start: int):
-        """The KL penalty's reference policy: the warm start's params (a copy of the state's at
-        the start of RL, else the copy kept in warm_start/ when the run resumes mid-RL)."""
-        if rl_start == 0:
-            return frozen_copy(self.mode.act_params(state.params))
-        target = params_target(nnx.state(self.model, nnx.Param), self.mesh)
-        return self.run_dir.kept_warm_start(self.sft_steps, target, "grpo.use_kl: resuming RL")
-
-    # ------------------------------------------------------------------------------- run
-
-    def run(self, force: bool = False) -> dict[str, Any]:
-        """Trains, or resumes from the newest readable checkpoint. A finished run (its final
-        checkpoint restored) only writes its outputs again; `force` redoes its evaluation."""
-        t_start = time.time()
-        step, state, meta = self.restore()
-        if meta.get("phase") == "done" and step == self.sft_steps + self.rl_steps and not force:
-            print(f"the run is complete (step {step}); --force redoes its final evaluation")
-            final = eval_from_dict(meta["final_eval"])
-            return self._finish(state, meta["sft_eval"], final, 0.0)
-        if state is None and self.config.schedule.warm_start_dir:
-            step, state, meta = self.load_warm_start(self.config.schedule.warm_start_dir)
-        if state is None:
-            state = self.fresh_state(nnx.state(self.model, nnx.Param), "sft")
-        if step < self.sft_steps:
-            state = self._run_sft(state, step)
-            step = self.sft_steps
-        if "sft_eval" not in meta:
-            state, meta = self._end_warm_start(step, state, meta)
-        last = self.sft_steps + self.rl_steps
-        if self.rl_steps:
-            state = self._run_rl(state, step, meta)
-            final = self.evaluate(state.params, self.eval_tasks, self._final_eval_key)
-            self.writer.write(self.rl_steps, "eval", final.as_dict(), global_step=last)
-        else:  # the final policy is the warm start, evaluated once (metrics has its row)
-            final = eval_from_dict(meta["sft_eval"])
-        self._save(last, state, {**meta, "phase": "done", "final_eval": final.as_dict()})
-        self.run_dir.checkpointer.wait()
-        return self._finish(state, meta["sft_eval"], final, time.time() - t_start)
-
-    def _end_warm_start(self, step: int, state, meta: dict[str, Any]) -> tuple[Any, dict]:
-        """Evaluates the warm start (or takes over the evaluation of the run it was loaded
-        from), keeps it in warm_start/, and opens the RL phase with a fresh optimizer."""
-        ev = None
-        if meta.get("warm_start_eval"):  # evaluated by the run it was loaded from
-            ev = eval_from_dict(meta["warm_start_eval"])
-        elif not self.rl_steps:  # the final policy: evaluated under the final evaluation's key
-            ev = self.evaluate(state.params, self.eval_tasks, self._final_eval_key)
-        elif self.config.schedule.eval_warm_start:
-            ev = self.evaluate(state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, 0))
-        warm = {k: meta[k] for k in ("warm_start_dir",) if k in meta}
-        meta = {"phase": "rl", "sft_eval": ev and ev.as_dict(), **warm}
-        if ev is not None:
-            self.writer.write(0, "eval", ev.as_dict(), global_step=step)
-            print(f"[eval] warm start: {ev.line()}")
-        if self.config.rehearsal.keep_warm_start:
-            self.run_dir.keep_warm_start(step, state.params, meta)
-        if self.rl_steps:
-            state = self.fresh_state(state.params, "rl")
-            self._save(step, state, {**meta, "data_position": 0})  # the RL phase's start
-        return state, meta
 
     def _finish(self, state, sft_eval: dict, final, seconds: float) -> dict[str, Any]:
         """Exports the policy (every process takes part) and writes the report (process 0)."""

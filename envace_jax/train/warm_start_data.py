@@ -5,7 +5,7 @@ EncodedConversation`): the agent's messages as ACT targets and the real environm
 as REHEARSE targets. A share `data.failure_demos` shows a failing call and its recovery (the
 domain's `demonstrations`); for a share `rehearsal.sft_memory_fraction` of the tasks the prompt
 also carries a rehearsal memory (exact, or partly wrong so that the policy learns to check it;
-`rollout.memory`), which test-time rehearsal gives the committed run. A share
+`testtime.memory`), which test-time rehearsal gives the committed run. A share
 `data.simulator_demos` also gives one simulator row per tool turn: the grounded rehearsal
 view's prompt with the real response as the target (`rollout.grounded`).
 """
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from envace_jax.envs.registry import Domain
+from envace_jax.envs.base import Domain
 from envace_jax.rl.batch import from_numpy
 from envace_jax.rollout.grounded import simulator_demonstrations
 from envace_jax.testtime.demonstrations import memory_demonstrations

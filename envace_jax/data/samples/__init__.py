@@ -3,12 +3,12 @@
 
 * `demo_train.parquet`: 64 demo-domain train tasks (seed 0) in the reference layout, made by
 
-      python -m envace_jax.data.export --domain demo --split train --tasks 64 --seed 0 \\
+      python -m envace_jax.envs.export --domain demo --split train --tasks 64 --seed 0 \\
           envace_jax/data/samples/demo_train.parquet
 
 * `demo_validation.parquet`: 32 demo-domain validation tasks (seed 0), made by
 
-      python -m envace_jax.data.export --domain demo --split validation --tasks 32 --seed 0 \\
+      python -m envace_jax.envs.export --domain demo --split validation --tasks 32 --seed 0 \\
           envace_jax/data/samples/demo_validation.parquet
 
   Both carry the demo's checklists (natural-language items plus machine-checkable `rule`s)

@@ -137,6 +137,27 @@ def _call_of(c: dict) -> dict:
     return {"name": c["name"], "arguments": c["arguments"]}
 
 
+def _final_reply(plan: Plan, observations: list[dict]):
+    """(final reply, the facts it states, reply source): the source is (tool, key) of the
+    observation the stated value comes from, None when it is the branch's status."""
+    if plan.reply_source is None:  # the status inside a listing
+        value, reply_source = plan.branch, None
+    else:
+        i, key = plan.reply_source
+        value, reply_source = observations[i][key], (plan.solution[i]["name"], key)
+    return plan.reply.format(v=value), [str(value), *plan.extra_facts], reply_source
+
+
+def _offered_tools(rng: random.Random, family: str, extra_tools: int) -> list[str]:
+    """The names of the tools a task offers, in `TOOL_SCHEMAS` order: every branch's of its
+    family plus `extra_tools` distractors. Drawn last from the task's rng, so the world and
+    the solution do not depend on `extra_tools`."""
+    used = set(FAMILY_TOOLS[family])
+    others = [name for name in TOOL_SCHEMAS if name not in used]
+    offered = used | set(rng.sample(others, min(extra_tools, len(others))))
+    return [name for name in TOOL_SCHEMAS if name in offered]
+
+
 def make_task(
     seed: int,
     index: int,
@@ -160,22 +181,10 @@ def make_task(
     solution = plan.solution
     state = copy_world(world)
     observations = _run_solution(state, solution, ws)
-    if plan.reply_source is None:  # the status inside a listing
-        value, reply_source = plan.branch, None
-    else:
-        i, key = plan.reply_source
-        value, reply_source = observations[i][key], (solution[i]["name"], key)
-    final_reply = plan.reply.format(v=value)
-    facts = [str(value), *plan.extra_facts]
-
-    # Offered tools: every branch's plus distractors, in one fixed order (drawn last, so the
-    # world and the solution do not depend on `extra_tools`).
-    used = set(FAMILY_TOOLS[family])
-    others = [name for name in TOOL_SCHEMAS if name not in used]
-    offered = used | set(rng.sample(others, min(extra_tools, len(others))))
+    final_reply, facts, reply_source = _final_reply(plan, observations)
+    offered_names = _offered_tools(rng, family, extra_tools)
 
     task_id = f"demo-{split}-{seed}-{index}"
-    offered_names = [name for name in TOOL_SCHEMAS if name in offered]
     tool_text = tool_lines(offered_names) if tools_in_system else ""
     records = render_records(world, hidden=stratum == "hidden")
     messages = [
@@ -221,13 +230,38 @@ def make_task(
     )
 
 
+# A raw checklist item: (weight, question, focus_on, pass_condition, rule).
+_RawItem = tuple[float, str, str, str, dict]
+
+
 def _checklist(solution, calls, reply_source, facts, reference) -> list[dict]:
     """Rule items: progress (each solution call, and the trajectory's consistency with its own
     observations: ids and values taken from results), then the outcome (exactly the solution's
     changes with none refused, and the final reply's facts), weighted so that the outcome ranks
     first."""
-    raw: list[tuple[float, str, str, str, dict]] = []
+    raw = _progress_items(solution, calls, reply_source)
+    raw += _outcome_items(calls, facts, outcome=sum(r[0] for r in raw) + 1.0)
+    total = sum(r[0] for r in raw)
     final_reply = reference[-1]["content"]
+    return [
+        {
+            "question": q,
+            "focus_on": focus,
+            "pass_condition": cond,
+            "failure_examples": [],
+            "evidence": [_evidence(rule, final_reply)],
+            "weight": w / total,
+            "required_for_next_turn": False,
+            "rule": rule,
+        }
+        for w, q, focus, cond, rule in raw
+    ]
+
+
+def _progress_items(solution, calls, reply_source) -> list[_RawItem]:
+    """Each solution call, each argument it takes from an earlier result, and (with a reply
+    source) the final reply's value taken from that result."""
+    raw: list[_RawItem] = []
     for sol, call in zip(solution, calls, strict=True):
         name, args = call["name"], call["arguments"]
         text = f"{name}({json.dumps(args)})"
@@ -263,10 +297,16 @@ def _checklist(solution, calls, reply_source, facts, reference) -> list[dict]:
                 {"kind": "reply_from", "source": src, "key": key},
             )
         )
-    outcome = sum(r[0] for r in raw) + 1.0
+    return raw
+
+
+def _outcome_items(calls, facts, outcome: float) -> list[_RawItem]:
+    """The two outcome items, each of weight `outcome`: exactly the solution's changes with
+    none refused, and the final reply's facts."""
     changes = [c for c in calls if c["name"] in STATE_CHANGING]
     text = ", ".join(f"{c['name']}({json.dumps(c['arguments'])})" for c in changes) or "none"
-    raw.append(
+    stated = " and ".join(facts)
+    return [
         (
             outcome,
             f"Are the changes made exactly {text}, with no change refused?",
@@ -279,31 +319,14 @@ def _checklist(solution, calls, reply_source, facts, reference) -> list[dict]:
                 "calls": changes,
                 "no_refusals": True,
             },
-        )
-    )
-    stated = " and ".join(facts)
-    raw.append(
+        ),
         (
             outcome,
             f"Does the final reply state {stated}?",
             "assistant.content.user_visible_reply",
             f"The final reply states {stated}.",
             {"kind": "reply_states", "values": list(facts)},
-        )
-    )
-    total = sum(r[0] for r in raw)
-    return [
-        {
-            "question": q,
-            "focus_on": focus,
-            "pass_condition": cond,
-            "failure_examples": [],
-            "evidence": [_evidence(rule, final_reply)],
-            "weight": w / total,
-            "required_for_next_turn": False,
-            "rule": rule,
-        }
-        for w, q, focus, cond, rule in raw
+        ),
     ]
 
 
