@@ -29,6 +29,40 @@ def test_offline_overall_by_hand():
     assert bfcl.offline_overall(scores) == pytest.approx(want)
 
 
+def test_replies_are_capped_at_max_tokens_whatever_the_package_asks():
+    asked = []
+    create = bfcl.capped(lambda **kw: asked.append(kw["max_tokens"]) or "reply", 64)
+    assert create(model="m", prompt="p", max_tokens=4096) == "reply"
+    create(prompt="p", max_tokens=10)
+    create(prompt="p")
+    assert asked == [64, 10, 64]
+    assert "bfcl.capped" not in bfcl._LAUNCHER and "def capped(create, cap: int)" in bfcl._LAUNCHER
+    assert bfcl.parse_args(["--model", "m"]).max_tokens == 1024
+
+
+def _summary(limit, categories):
+    scores = {c: {"accuracy": 0.5, "correct_count": 1, "total_count": 2} for c in categories}
+    return {
+        "categories": scores,
+        "complete": limit is None and set(categories) == set(bfcl.OFFLINE),
+        "limit_per_category": limit,
+        "overall_official_formula": 0.1,
+        "overall_offline_categories": bfcl.offline_overall(scores),
+        "not_run_needs_internet": list(bfcl.NOT_OFFLINE),
+    }
+
+
+def test_only_a_complete_run_prints_an_overall():
+    whole = "\n".join(bfcl.summary_lines(_summary(None, bfcl.OFFLINE)))
+    assert "overall (offline categories only)      : 0.5000" in whole
+    for partial in (_summary(3, bfcl.OFFLINE), _summary(None, ["simple_python"])):
+        text = "\n".join(bfcl.summary_lines(partial))
+        assert "overall (" not in text and "partial run" in text and "no overall" in text
+    assert "the first 3 entries of each category" in "\n".join(
+        bfcl.summary_lines(_summary(3, bfcl.OFFLINE))
+    )
+
+
 def test_categories_that_need_the_internet_are_refused():
     with pytest.raises(SystemExit, match="SerpAPI"):
         bfcl.resolve_categories(["web_search_base"])
@@ -79,4 +113,6 @@ def test_smoke_run_of_the_tiny_policy_leaves_official_score_files(tmp_path):
     assert summary["inference_errors"].get("multi_turn_base") == 3
     assert "web_search_base" in summary["not_run_needs_internet"]
     assert 0.0 <= summary["overall_offline_categories"] <= 1.0
-    assert json.loads((out / "summary.json").read_text())["model_id"] == bfcl.MODEL_ID
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["model_id"] == bfcl.MODEL_ID
+    assert saved["max_tokens"] == 1024 and saved["complete"] is False

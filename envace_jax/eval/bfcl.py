@@ -13,7 +13,8 @@ How our policy plugs in: the package's local-model path (`--skip-server-setup
 (`QwenFCHandler`) and calls `/v1/completions` with the raw text; replies are parsed from
 `<tool_call>` blocks. We register the model id `envace-jax-FC` with that handler (as the
 package's own contributors add models), start `python -m envace_jax.serve` on a free loopback
-port, run `bfcl generate` then `bfcl evaluate`, and collect the official score files
+port, run `bfcl generate` (each reply capped at `--max-tokens`, 1,024 by default) then `bfcl
+evaluate`, and collect the official score files
 (`score/envace-jax-FC/**/BFCL_v4_*_score.json` and `score/data_*.csv`) into `summary.json`.
 
 Categories that run offline: the AST categories (non-live and live, irrelevance, relevance),
@@ -21,7 +22,8 @@ the four multi-turn categories, and memory with the `kv` and `rec_sum` backends.
 needs the internet (SerpAPI) and memory_vector downloads an embedding model from the Hugging
 Face hub, so neither runs here; the summary says so and gives, next to the official overall
 (which counts every category not run as 0), the overall recomputed with the official weights
-over the categories that can run offline, clearly labelled.
+over the categories that can run offline, clearly labelled. A partial run (`--limit`, or some
+categories) prints no overall at all.
 
 `--limit N` runs the first N entries of each category (with the memory prerequisite
 conversations they depend on), evaluated with `--partial-eval`. `--gold-check` writes the
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import inspect
 import json
 import os
 import subprocess
@@ -107,12 +110,37 @@ GROUPS = {
     "memory": MEMORY_OFFLINE,
 }
 
+
 # Registers our model id with the package's Qwen3 function-calling handler, then runs its CLI.
 # Written to a file (not `python -c`) so multiprocessing children re-import the registration.
+def capped(create, cap: int):
+    """`create` (the OpenAI client's `completions.create`) with `max_tokens` at most `cap`.
+    bfcl-eval asks for what the context leaves (up to 4,096 tokens), and one runaway reply
+    then decodes for minutes on a CPU."""
+
+    def create_capped(*args, **kwargs):
+        kwargs["max_tokens"] = min(kwargs.get("max_tokens") or cap, cap)
+        return create(*args, **kwargs)
+
+    return create_capped
+
+
+MAX_TOKENS_ENV = "ENVACE_BFCL_MAX_TOKENS"
 _LAUNCHER = f"""
+import os
 import sys
 from bfcl_eval.constants.model_config import MODEL_CONFIG_MAPPING, ModelConfig
 from bfcl_eval.model_handler.local_inference.qwen_fc import QwenFCHandler
+
+{inspect.getsource(capped)}
+
+class CappedQwenFCHandler(QwenFCHandler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cap = os.environ.get({MAX_TOKENS_ENV!r})  # set for `generate` only
+        if cap:
+            self.client.completions.create = capped(self.client.completions.create, int(cap))
+
 
 MODEL_CONFIG_MAPPING[{MODEL_ID!r}] = ModelConfig(
     model_name="envace-jax",
@@ -120,7 +148,7 @@ MODEL_CONFIG_MAPPING[{MODEL_ID!r}] = ModelConfig(
     url="",
     org="envace_jax",
     license="",
-    model_handler=QwenFCHandler,
+    model_handler=CappedQwenFCHandler,
     input_price=None,
     output_price=None,
     is_fc_model=True,
@@ -253,10 +281,11 @@ def select_entries(python: Path, root: Path, categories: list[str], limit: int |
     return json.loads((root / "test_case_ids_to_generate.json").read_text())
 
 
-def generate(python, root, model_dir, base_url, api_key, threads, timeout):
+def generate(python, root, model_dir, base_url, api_key, threads, timeout, max_tokens):
     host_port = base_url.split("://", 1)[1].split("/", 1)[0]
     host, port = host_port.rsplit(":", 1)
     env = {"LOCAL_SERVER_ENDPOINT": host, "LOCAL_SERVER_PORT": port}
+    env[MAX_TOKENS_ENV] = str(max_tokens)
     if api_key:
         env["REMOTE_OPENAI_API_KEY"] = api_key
     args = ["launch_bfcl.py", "generate", "--model", MODEL_ID, "--run-ids"]
@@ -360,6 +389,8 @@ def summarize(root: Path, categories: list[str], limit: int | None, label: str) 
     missing = [c for c in categories if c not in scores]
     summary = {
         "run": label,
+        # Every offline category, whole: only then is a number over them an overall.
+        "complete": limit is None and set(categories) == set(OFFLINE),
         "bfcl_eval_version": BFCL_VERSION,
         "model_id": MODEL_ID,
         "limit_per_category": limit,
@@ -415,6 +446,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="bfcl_out", help="project root for results and scores")
     p.add_argument("--venv", default=None, help="bfcl-eval virtual environment")
     p.add_argument("--threads", type=int, default=16, help="concurrent requests")
+    p.add_argument("--max-tokens", type=int, default=1024, help="cap on one reply's tokens")
     p.add_argument("--timeout", type=float, default=None, help="seconds per bfcl command")
     p.add_argument("--gold-check", action="store_true", help="score the ground truth instead")
     p.add_argument("--server-arg", action="append", default=[], help="extra serve flag")
@@ -443,24 +475,55 @@ def run(args) -> dict:
             else start_server(str(model_dir), root, args.server_arg)
         )
         try:
-            generate(python, root, model_dir, url, args.api_key, args.threads, args.timeout)
+            generate(
+                python,
+                root,
+                model_dir,
+                url,
+                args.api_key,
+                args.threads,
+                args.timeout,
+                args.max_tokens,
+            )
         finally:
             if proc is not None:
                 stop_server(proc)
     evaluate(python, root, categories, args.limit is not None, args.timeout)
     label = "gold answers through the official checker" if args.gold_check else "model"
     summary = summarize(root, categories, args.limit, label)
+    summary["max_tokens"] = None if args.gold_check else args.max_tokens
+    (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"summary: {root / 'summary.json'}")
     return summary
 
 
+def summary_lines(summary: dict) -> list[str]:
+    """What the command prints: each category's score, then an overall only for a complete
+    run. A partial run's weighted number counts every category not run as 0, so it is shown as
+    what it is and never called overall."""
+    lines = [
+        f"{cat:28s} {s['accuracy']:.4f}  ({s['correct_count']}/{s['total_count']})"
+        for cat, s in summary["categories"].items()
+    ]
+    weighted = summary["overall_offline_categories"]
+    if summary["complete"]:
+        lines.append(
+            f"overall (official formula, not-run = 0): {summary['overall_official_formula']}"
+        )
+        lines.append(f"overall (offline categories only)      : {weighted:.4f}")
+    else:
+        limit = summary["limit_per_category"]
+        part = f"the first {limit} entries of each category" if limit else "some categories"
+        lines.append(
+            f"partial run ({part}): no overall; the official weights over it would give "
+            f"{weighted:.4f}, with every category not run counted as 0"
+        )
+    lines.append("not run (need the internet): " + ", ".join(summary["not_run_needs_internet"]))
+    return lines
+
+
 def main(argv=None) -> int:
-    summary = run(parse_args(argv))
-    for cat, s in summary["categories"].items():
-        print(f"{cat:28s} {s['accuracy']:.4f}  ({s['correct_count']}/{s['total_count']})")
-    print(f"overall (official formula, not-run = 0): {summary['overall_official_formula']}")
-    print(f"overall (offline categories only)      : {summary['overall_offline_categories']:.4f}")
-    print("not run (need the internet): " + ", ".join(summary["not_run_needs_internet"]))
+    print("\n".join(summary_lines(run(parse_args(argv)))))
     return 0
 
 
