@@ -7,12 +7,12 @@ and the share of the content checksums (computed on device at save and again at 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
+import machine
 import numpy as np
 
 from envace_jax.runtime import checkpoint as ckpt_lib
@@ -59,8 +59,7 @@ def main() -> None:
         figures = {"mib": args.mib, "save_blocks_s": blocking, "save_s": total}
         figures |= {"restore_s": restore, "checksum_s": checksum}
         figures |= {"blocking_share": blocking / total, "checksum_share": checksum / total}
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+        machine.write_json(args.json, figures, indent=1)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,11 @@ greedy tokens. Compile time is excluded.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
 import jax.numpy as jnp
+import machine
 import numpy as np
 from flax import nnx
 
@@ -193,8 +193,7 @@ def main():
             f" {r['speedup']:>7.2f}x {str(r['same_greedy_tokens']):>5}"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "rows": rows}, f, indent=2)
+        machine.write_json(args.json, {"model": args.model, "rows": rows}, indent=2)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import machine
 import numpy as np
 from flax import nnx
 
@@ -151,13 +152,6 @@ def bench_tunix(python, ckpt, prompts, new_tokens, repeats):
     return got["tokens_per_s"], np.asarray(got["tokens"])
 
 
-def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes/s of a large array copy (read + write), the machine's memory bandwidth here."""
-    src = np.ones(megabytes * 2**20 // 4, np.float32)
-    dst = np.empty_like(src)
-    return 2 * src.nbytes / best_of(lambda: np.copyto(dst, src), repeats)
-
-
 def decode_step_bytes(cfg, batch: int, context: float, weight_bytes: int) -> float:
     """Bytes one decode step reads: every weight once, and each row's keys and values."""
     kv = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * jnp.dtype(cfg.dtype).itemsize
@@ -169,7 +163,7 @@ def bench_real_model(path, batches, prompt_len, new_tokens, repeats):
     params = nnx.state(model, nnx.Param)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     print(f"{path}: {cfg.num_params / 1e6:.1f}M params, {weight_bytes / 2**20:.0f} MiB weights")
-    bandwidth = copy_bandwidth()
+    bandwidth = machine.copy_bandwidth(512)
     print(f"array copy bandwidth: {bandwidth / 1e9:.1f} GB/s")
     rows = []
     for batch in batches:
@@ -369,8 +363,7 @@ def main():
         prompt = args.prompt or 256
         out = bench_real_model(args.model, batches, prompt, args.new_tokens, args.repeats)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+            machine.write_json(args.json, out, indent=1)
         return
 
     tok = load_tokenizer("demo")
@@ -422,25 +415,23 @@ def main():
         shown = f"{value:,.2f}" if isinstance(value, float) else str(value)
         print(f"{name:<{width}}  {shown}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "generate_tokens_per_s": ours,
-                    "hf_tokens_per_s": hf,
-                    "generate_ratio": ours / hf,
-                    "greedy_tokens_identical": agree,
-                    **tunix,
-                    "rehearsal_traj_per_s": traj_ours,
-                    "host_loop_traj_per_s": traj_host,
-                    "rehearsal_ratio": traj_ours / traj_host,
-                    "windowed_traj_per_s": phased,
-                    "whole_buffer_traj_per_s": whole,
-                    "window_ratio": phased / whole,
-                    "window_tokens_identical": same,
-                },
-                f,
-                indent=1,
-            )
+        machine.write_json(
+            args.json,
+            {
+                "generate_tokens_per_s": ours,
+                "hf_tokens_per_s": hf,
+                "generate_ratio": ours / hf,
+                "greedy_tokens_identical": agree,
+                **tunix,
+                "rehearsal_traj_per_s": traj_ours,
+                "host_loop_traj_per_s": traj_host,
+                "rehearsal_ratio": traj_ours / traj_host,
+                "windowed_traj_per_s": phased,
+                "whole_buffer_traj_per_s": whole,
+                "window_ratio": phased / whole,
+                "window_tokens_identical": same,
+            },
+        )
 
 
 if __name__ == "__main__":

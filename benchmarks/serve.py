@@ -31,6 +31,7 @@ import tempfile
 import time
 
 import httpx
+import machine
 
 
 def export_model(out_dir: str, preset: str) -> None:
@@ -231,20 +232,19 @@ def main() -> None:
                 f"(range {min(ratios):.2f}-{max(ratios):.2f}; target >= 3x)"
             )
             if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(
-                        {
-                            "model": args.model or args.preset,
-                            "max_tokens": args.max_tokens,
-                            "clients": rows,
-                            "batched_over_sequential_16": ratio,
-                            "batched_over_sequential_16_pairs": ratios,
-                            "peak_rss_mb": rss,
-                            "full_context_tokens": full,
-                        },
-                        f,
-                        indent=2,
-                    )
+                machine.write_json(
+                    args.json,
+                    {
+                        "model": args.model or args.preset,
+                        "max_tokens": args.max_tokens,
+                        "clients": rows,
+                        "batched_over_sequential_16": ratio,
+                        "batched_over_sequential_16_pairs": ratios,
+                        "peak_rss_mb": rss,
+                        "full_context_tokens": full,
+                    },
+                    indent=2,
+                )
         finally:
             proc.terminate()
             proc.wait(60)

@@ -41,6 +41,7 @@ import statistics
 import threading
 import time
 
+import machine
 import numpy as np
 
 from envace_jax.models.shipped import DEMO_BASE_DIR
@@ -378,8 +379,7 @@ def main() -> None:
         out["libraries"] = libraries(args)
     out.update(decode_cost(args))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        machine.write_json(args.json, out, indent=2)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+import machine
+
 MEASURE = r"""
 import json, resource, sys, time
 import psutil
@@ -213,8 +215,7 @@ def main() -> None:
     figures["load_average"] = os.getloadavg()
     print("load average " + " ".join(f"{x:.2f}" for x in figures["load_average"]))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(figures, fh, indent=1)
+        machine.write_json(args.json, figures, indent=1)
 
 
 if __name__ == "__main__":

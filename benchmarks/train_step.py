@@ -17,12 +17,12 @@ float32 matmul throughput. (XLA's cost analysis counts a scanned layer once, so 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+import machine
 import numpy as np
 from flax import nnx
 
@@ -185,9 +185,8 @@ def main():
         f"{tw / tp:.2f}x faster (the table's loss and grad norm columns should agree)"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            ratios = {"packed_over_rows": tr / tp, "query_blocks_over_one_block": tw / tp}
-            json.dump({"preset": args.preset, **ratios, "steps": figures}, f, indent=1)
+        ratios = {"packed_over_rows": tr / tp, "query_blocks_over_one_block": tw / tp}
+        machine.write_json(args.json, {"preset": args.preset, **ratios, "steps": figures}, indent=1)
 
 
 if __name__ == "__main__":

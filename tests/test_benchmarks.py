@@ -16,6 +16,8 @@ import pytest
 pytestmark = pytest.mark.slow  # about five minutes in all on 2 cores
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+MACHINE_FIELDS = {"cpu", "cores_usable", "caches", "copy_bandwidth_gb_per_s", "versions"}
+MACHINE_FIELDS |= {"load_average_at_start", "load_average_at_end"}
 
 
 def run(script: str, *args: str, tmp_path: Path) -> dict:
@@ -23,7 +25,9 @@ def run(script: str, *args: str, tmp_path: Path) -> dict:
     cmd = [sys.executable, str(BENCHMARKS / f"{script}.py"), *args, "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text())
+    got = json.loads(out.read_text())
+    assert MACHINE_FIELDS <= set(got["machine"]), script  # every figure names its machine
+    return got
 
 
 @pytest.fixture(scope="module")
