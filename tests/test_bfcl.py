@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from envace_jax.eval import bfcl, bfcl_gold
+from envace_jax.eval import bfcl, bfcl_gold, bfcl_scores
 from envace_jax.text.tool_calls import parse_tool_calls
 
 
@@ -26,7 +26,7 @@ def test_offline_overall_by_hand():
     scores["multi_turn_base"]["accuracy"] = 0.4  # multi-turn = 0.1
     scores["memory_kv"]["accuracy"] = 0.6  # memory = 0.3
     want = (0.075 * 10 + 0.2 * 10 + 0.5 * 10 + 0.1 * 30 + 0.3 * 40) / 100
-    assert bfcl.offline_overall(scores) == pytest.approx(want)
+    assert bfcl_scores.offline_overall(scores) == pytest.approx(want)
 
 
 def test_replies_are_capped_at_max_tokens_whatever_the_package_asks():
@@ -47,19 +47,19 @@ def _summary(limit, categories):
         "complete": limit is None and set(categories) == set(bfcl.OFFLINE),
         "limit_per_category": limit,
         "overall_official_formula": 0.1,
-        "overall_offline_categories": bfcl.offline_overall(scores),
+        "overall_offline_categories": bfcl_scores.offline_overall(scores),
         "not_run_needs_internet": list(bfcl.NOT_OFFLINE),
     }
 
 
 def test_only_a_complete_run_prints_an_overall():
-    whole = "\n".join(bfcl.summary_lines(_summary(None, bfcl.OFFLINE)))
+    whole = "\n".join(bfcl_scores.summary_lines(_summary(None, bfcl.OFFLINE)))
     assert "overall (offline categories only)      : 0.5000" in whole
     for partial in (_summary(3, bfcl.OFFLINE), _summary(None, ["simple_python"])):
-        text = "\n".join(bfcl.summary_lines(partial))
+        text = "\n".join(bfcl_scores.summary_lines(partial))
         assert "overall (" not in text and "partial run" in text and "no overall" in text
     assert "the first 3 entries of each category" in "\n".join(
-        bfcl.summary_lines(_summary(3, bfcl.OFFLINE))
+        bfcl_scores.summary_lines(_summary(3, bfcl.OFFLINE))
     )
 
 

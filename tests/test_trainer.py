@@ -287,3 +287,19 @@ def test_an_evaluation_between_rl_steps_leaves_the_next_rollouts_bit_identical(t
 
     assert rl_rows("evaluated") == rl_rows("plain") and len(rl_rows("plain")) >= 2
     assert plain["sft"] is None
+
+
+def test_summary_gives_the_seconds_of_each_part(tmp_path):
+    """summary.json times the build, the warm start, the RL steps and every evaluation; the
+    parts add up to no more than the total."""
+    config = smoke(**{"schedule.eval_every": 1})
+    out = Trainer(load(config), str(tmp_path)).run()
+    seconds = json.loads((tmp_path / "summary.json").read_text())["seconds"]
+    steps = config.schedule.rl_steps
+    evals = {f"eval_rl_step_{i}" for i in range(1, steps)}
+    assert {"total", "build", "warm_start", "rl", "eval_warm_start", "eval_final"} | evals == set(
+        seconds
+    )
+    assert all(v >= 0 for v in seconds.values())
+    parts = sum(v for k, v in seconds.items() if k not in ("total", "build"))
+    assert parts <= seconds["total"] + 1 and seconds["total"] == round(out["seconds"], 1)

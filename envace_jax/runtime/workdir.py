@@ -239,6 +239,24 @@ class RunDir:
             return 0, None, {}
         return self.checkpointer.restore(target)
 
+    def warm_start_of(
+        self, workdir: str, sft_steps: int, params: Any, mesh
+    ) -> tuple[WarmStart, dict[str, Any]]:
+        """The finished warm start of the run at `workdir` (`find_warm_start`) and the meta
+        this run starts from: its evaluation is reused when this run evaluates the same way
+        (same seed and eval settings). Raises naming what does not match this run's config."""
+        where = f"config.schedule.warm_start_dir={workdir!r}"
+        if not os.path.isdir(workdir):
+            raise ValueError(f"{where}: no such directory")
+        found = find_warm_start(workdir, sft_steps, params, mesh, where)
+        theirs = found.meta.get("config", {})
+        if differ := config_differences(self.config, theirs, WARM_START_KEYS):
+            raise ValueError(f"{where}: that warm start was run with other {', '.join(differ)}")
+        meta = {"warm_start_dir": workdir}
+        if not config_differences(self.config, theirs, EVAL_KEYS):
+            meta["warm_start_eval"] = found.meta["sft_eval"]
+        return found, meta
+
     def keep_warm_start(self, step: int, params: Any, meta: dict[str, Any]) -> None:
         """Saves the warm-start params (global step `step`) in the checkpoint directory's
         warm_start/, apart from the rotating checkpoints: test-time rehearsal evaluates them as

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from envace_jax.rl.batch import smallest_fitting_bucket
 from envace_jax.text.codes import Role
 
 
@@ -114,3 +115,12 @@ def copy_metrics(model: nnx.Module, probe: CopyProbe) -> dict[str, float]:
         if m.any():
             out[f"heldout/rehearse_digit_acc/{tool}"] = float(hit[m].mean())
     return out
+
+
+def held_out_probe(domain, tasks: Sequence, tokenizer, buckets: Sequence[int]) -> CopyProbe:
+    """The copy probe of `tasks`' demonstrations in `domain`, padded to the smallest length
+    bucket that holds them, with each response's tool named."""
+    examples = domain.demonstrations(tasks, tokenizer)
+    length = smallest_fitting_bucket(max(len(e.ids) for e in examples), buckets)
+    tools = domain.response_tools(tasks)
+    return build_copy_probe(examples, tokenizer, tokenizer.pad_token_id, length, tools)

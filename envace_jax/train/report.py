@@ -134,10 +134,12 @@ def write_report(
     mode: str,
     tasks: Sequence,
     seconds: float,
+    times: dict[str, float] | None = None,
 ) -> None:
     """Writes the curves and the summary of a finished train job, and prints the summary;
     `trained` names the final evaluation's row. `warm` is None when the warm start was not
-    evaluated (`schedule.eval_warm_start`)."""
+    evaluated (`schedule.eval_warm_start`). `times`: seconds by part of this run (build, warm
+    start, RL steps, each evaluation), written to summary.json and printed."""
     metrics = read_metrics(metrics_path)
     checklist = isinstance(final, ChecklistEval)
     curves = CHECKLIST_CURVES if checklist else CURVES
@@ -150,6 +152,7 @@ def write_report(
         "mode": mode,
         "warm_start": warm and summary_record(warm, 0),
         "final": summary_record(final, env_calls),
+        "seconds": {"total": round(seconds, 1), **(times or {})},
     }
     with open(os.path.join(workdir, "summary.md"), "w") as f:
         f.write(summary + "\n")
@@ -158,4 +161,5 @@ def write_report(
     what = "checklist evaluation, no environment" if checklist else "real-environment evaluation"
     print(f"\nHeld-out {what} ({len(tasks)} tasks):\n{summary}")
     print(f"\nworkdir: {workdir} ({OUTPUTS})")
-    print(f"total time {seconds:.0f}s")
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.0f}s" for k, v in (times or {}).items())
+    print(f"total time {seconds:.0f}s" + (f" ({parts})" if parts else ""))

@@ -10,11 +10,9 @@ each checkpoint and at its end. Both phases run in one loop frame (`Phase`, `_lo
 
 1. **Warm start.** Cross-entropy on oracle demonstrations of the training tasks, both roles: the
    agent's messages (ACT) and the real environment's responses (REHEARSE targets).
-2. **RL.** Per step: `rollout.tasks_per_step` tasks x `rollout.group_size` trajectories, judged
-   by the rule judge, then one role-wise GRPO update. `config.mode` picks the rollouts and the
-   parameters: 'envace' (the default) is world rehearsal by the shared policy,
-   with no environment; the baselines run through this same loop. A warm start can also be
-   loaded from another run's workdir (`schedule.warm_start_dir`), so modes share one.
+2. **RL.** Per step: `rollout.tasks_per_step` tasks x `rollout.group_size` trajectories, judged,
+   then one role-wise GRPO update; `config.mode` picks the rollouts and the parameters. A warm
+   start can also be loaded from another run's workdir (`schedule.warm_start_dir`).
 3. **Evaluation** of committed execution in the real environment on held-out tasks (after the
    warm start, every `schedule.eval_every` RL steps, and at the end): success, reward, tool-error
    rate, and rehearsal fidelity (rehearsed responses equal to the real environment's). Tasks
@@ -39,7 +37,7 @@ metrics, plots and the summary come from process 0 (every process takes part in 
 
 from __future__ import annotations
 
-import os
+import contextlib
 import time
 from typing import Any
 
@@ -52,7 +50,6 @@ from envace_jax.data.stream import TaskStream, length_grouped_batch
 from envace_jax.envs.base import CallCounter
 from envace_jax.envs.registry import domain
 from envace_jax.rewards.judges import build_judge
-from envace_jax.rl.batch import pad_to_bucket, smallest_fitting_bucket
 from envace_jax.rl.optim import make_optimizer
 from envace_jax.rl.steps import (
     TrainState,
@@ -67,18 +64,14 @@ from envace_jax.runtime import interrupts
 from envace_jax.runtime.build import build_mesh, build_model, build_tokenizer
 from envace_jax.runtime.metrics import MetricsWriter, Progress, truncate_metrics
 from envace_jax.runtime.workdir import (
-    EVAL_KEYS,
-    WARM_START_KEYS,
     RunDir,
     abstract_train_state,
-    config_differences,
-    find_warm_start,
     params_target,
     phase_at,
 )
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.train import evaluation, report, warm_start_data
-from envace_jax.train.diagnostics import build_copy_probe, copy_metrics
+from envace_jax.train.diagnostics import copy_metrics, held_out_probe
 from envace_jax.train.evaluation import eval_from_dict
 from envace_jax.train.phase import Hooks, Phase, check_finite, float_metrics, ignore
 from envace_jax.train.strategies import RolloutSetup, strategy
@@ -88,6 +81,9 @@ class Trainer:
     def __init__(self, config: JobConfig, workdir: str, hooks: Hooks | None = None):
         if not isinstance(config, JobConfig):
             raise TypeError("Trainer takes a JobConfig: configuration.load(config_dict)")
+        started = time.time()
+        # Seconds by part of the run (summary.json): build, warm start, RL, each evaluation.
+        self.times: dict[str, float] = {}
         self.config, self.workdir, self.hooks = config, workdir, hooks or Hooks()
         self.judge = build_judge(config.judge)
         self.judge.check()  # a judge that is down stops the job before any work
@@ -130,6 +126,15 @@ class Trainer:
         self.writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
         self._demos = None
         self._probe = None
+        self.times["build"] = time.time() - started
+
+    @contextlib.contextmanager
+    def _timed(self, part: str):
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.times[part] = self.times.get(part, 0.0) + time.time() - t0
 
     def _tasks(self, config: JobConfig) -> None:
         """The domain, its training and held-out tasks, and the rows of each global batch this
@@ -183,14 +188,17 @@ class Trainer:
         if state is None:
             state = self.fresh_state(nnx.state(self.model, nnx.Param), "sft")
         if step < self.sft_steps:
-            state = self._loop(self._sft_phase(), state, step)
+            with self._timed("warm_start"):
+                state = self._loop(self._sft_phase(), state, step)
             step = self.sft_steps
         if "sft_eval" not in meta:
             state, meta = self._end_warm_start(step, state, meta)
         last = self.sft_steps + self.rl_steps
         if self.rl_steps:
-            state = self._run_rl(state, step, meta)
-            final = self.evaluate(state.params, self.eval_tasks, self._final_eval_key)
+            with self._timed("rl"):
+                state = self._run_rl(state, step, meta)
+            with self._timed("eval_final"):
+                final = self.evaluate(state.params, self.eval_tasks, self._final_eval_key)
             self.writer.write(self.rl_steps, "eval", final.as_dict(), global_step=last)
         else:  # the final policy is the warm start, evaluated once (metrics has its row)
             final = eval_from_dict(meta["sft_eval"])
@@ -271,11 +279,8 @@ class Trainer:
             self._demos = self.sft_examples()
         layout = self.sft_layout
         rows = [self._demos[indices[i] % len(self._demos)] for i in layout.rows]
-        batch = warm_start_data.rows_batch(rows, layout.rows, self.pad_id)
-        T = batch.tokens.shape[1]
-        longest = parallel.process_max(T)  # every process pads to the same bucket
-        bucket = smallest_fitting_bucket(longest, self.config.rollout.length_buckets)
-        batch = pad_to_bucket(batch, (bucket,), pad_id=self.pad_id)
+        buckets = self.config.rollout.length_buckets
+        batch = warm_start_data.bucketed_batch(rows, layout.rows, self.pad_id, buckets)
         return self._global_batch(batch, layout, self.sft_shardings)
 
     def _global_batch(self, batch, layout: parallel.RowLayout, shardings):
@@ -294,11 +299,8 @@ class Trainer:
             return {}
         if self._probe is None:
             tasks = self.eval_tasks[: self.config.eval.probe_tasks]
-            examples = self.domain.demonstrations(tasks, self.tokenizer)
-            longest = max(len(e.ids) for e in examples)
-            length = smallest_fitting_bucket(longest, self.config.rollout.length_buckets)
-            tools = self.domain.response_tools(tasks)
-            self._probe = build_copy_probe(examples, self.tokenizer, self.pad_id, length, tools)
+            buckets = self.config.rollout.length_buckets
+            self._probe = held_out_probe(self.domain, tasks, self.tokenizer, buckets)
         sh = self.sft_shardings
         with jax.set_mesh(sh.mesh), parallel.axis_rules(sh.rules):
             return copy_metrics(nnx.merge(self.graphdef, params, self.rest), self._probe)
@@ -310,9 +312,12 @@ class Trainer:
         if meta.get("warm_start_eval"):  # evaluated by the run it was loaded from
             ev = eval_from_dict(meta["warm_start_eval"])
         elif not self.rl_steps:  # the final policy: evaluated under the final evaluation's key
-            ev = self.evaluate(state.params, self.eval_tasks, self._final_eval_key)
+            with self._timed("eval_warm_start"):
+                ev = self.evaluate(state.params, self.eval_tasks, self._final_eval_key)
         elif self.config.schedule.eval_warm_start:
-            ev = self.evaluate(state.params, self.eval_tasks, jax.random.fold_in(self.eval_key, 0))
+            with self._timed("eval_warm_start"):
+                key = jax.random.fold_in(self.eval_key, 0)
+                ev = self.evaluate(state.params, self.eval_tasks, key)
         warm = {k: meta[k] for k in ("warm_start_dir",) if k in meta}
         meta = {"phase": "rl", "sft_eval": ev and ev.as_dict(), **warm}
         if ev is not None:
@@ -365,7 +370,9 @@ class Trainer:
                 g = self.sft_steps + i
                 curve = not self.config.eval.curve_avg4
                 key = jax.random.fold_in(self.eval_key, g)
+                t0 = time.time()
                 ev = self.evaluate(state.params, self.eval_tasks, key, greedy_only=curve)
+                self.times[f"eval_rl_step_{i}"] = time.time() - t0
                 self.writer.write(i, "eval", ev.as_dict(), global_step=g)
                 print(f"[eval] RL step {i}: {ev.line()}")
 
@@ -457,23 +464,20 @@ class Trainer:
         return step, state, meta
 
     def load_warm_start(self, workdir: str) -> tuple[int, TrainState, dict[str, Any]]:
-        """The finished warm start of another run (`workdir.find_warm_start`), so that several
-        modes, or a longer RL phase, start from the same parameters. Its evaluation is reused
-        when this run evaluates the same way (same seed and eval settings). Raises naming what
-        does not match this config."""
-        where = f"config.schedule.warm_start_dir={workdir!r}"
-        if not os.path.isdir(workdir):
-            raise ValueError(f"{where}: no such directory")
+        """The finished warm start of another run (`RunDir.warm_start_of`), so that several
+        modes, or a longer RL phase, start from the same parameters."""
         params = nnx.state(self.model, nnx.Param)
-        found = find_warm_start(workdir, self.sft_steps, params, self.mesh, where)
-        theirs = found.meta.get("config", {})
-        if differ := config_differences(self.run_dir.config, theirs, WARM_START_KEYS):
-            raise ValueError(f"{where}: that warm start was run with other {', '.join(differ)}")
+        found, meta = self.run_dir.warm_start_of(workdir, self.sft_steps, params, self.mesh)
         print(f"warm start loaded from {found.source}")
-        meta = {"warm_start_dir": workdir}
-        if not config_differences(self.run_dir.config, theirs, EVAL_KEYS):
-            meta["warm_start_eval"] = found.meta["sft_eval"]
         return found.step, self.fresh_state(found.params, "sft"), meta
+
+    def _times(self) -> dict[str, float]:
+        """Seconds by part; 'rl' is the RL steps without the evaluations between them."""
+        times = dict(self.times)
+        if "rl" in times:
+            between = sum(v for k, v in times.items() if k.startswith("eval_rl_step_"))
+            times["rl"] -= between
+        return {k: round(v, 1) for k, v in times.items()}
 
     def _finish(self, state, sft_eval: dict, final, seconds: float) -> dict[str, Any]:
         """Exports the policy (every process takes part) and writes the report (process 0)."""
@@ -485,7 +489,7 @@ class Trainer:
             trained = f"RL ({self.config.mode})" if self.rl_steps else "final (no RL steps)"
             warm = eval_from_dict(sft_eval) if sft_eval else None
             args = (warm, final, trained, self.config.mode, self.eval_tasks, seconds)
-            report.write_report(self.workdir, self.writer.path, *args)
+            report.write_report(self.workdir, self.writer.path, *args, times=self._times())
         self.writer.close()
         self.run_dir.close()
         self.judge.close()

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from envace_jax import parallel
 from envace_jax.envs.base import Domain
-from envace_jax.rl.batch import from_numpy
+from envace_jax.rl.batch import from_numpy, pad_to_bucket, smallest_fitting_bucket
 from envace_jax.rollout.grounded import simulator_demonstrations
 from envace_jax.testtime.demonstrations import memory_demonstrations
 
@@ -71,3 +72,12 @@ def rows_batch(rows: Sequence, group: Sequence[int], pad_id: int):
         group=group,
         reward=np.zeros(len(rows)),
     )
+
+
+def bucketed_batch(rows: Sequence, group: Sequence[int], pad_id: int, buckets: Sequence[int]):
+    """`rows_batch`, padded to the smallest length bucket that holds the longest row of any
+    process (every process pads to the same bucket)."""
+    batch = rows_batch(rows, group, pad_id)
+    longest = parallel.process_max(batch.tokens.shape[1])
+    bucket = smallest_fitting_bucket(longest, buckets)
+    return pad_to_bucket(batch, (bucket,), pad_id=pad_id)
