@@ -128,50 +128,6 @@ class Trainer:
         self._probe = None
         self.times["build"] = time.time() - started
 
-    @contextlib.contextmanager
-    def _timed(self, part: str):
-        t0 = time.time()
-        try:
-            yield
-        finally:
-            self.times[part] = self.times.get(part, 0.0) + time.time() - t0
-
-    def _tasks(self, config: JobConfig) -> None:
-        """The domain, its training and held-out tasks, and the rows of each global batch this
-        process builds (every row on one host)."""
-        r = config.rollout
-        # Task files: each process reads its share of the training rows, and samples the groups
-        # of its own rows. The grounded view builds the whole batch on every process, so there
-        # every process reads every row.
-        process = (jax.process_index(), jax.process_count())
-        if r.rehearsal_view == "grounded":
-            process = (0, 1)
-        self.domain = domain(
-            config.data.env, config.data, tokenizer=self.tokenizer, process=process
-        )
-        self.eval_kind = config.eval.kind
-        if self.eval_kind == "auto":
-            self.eval_kind = "environment" if self.domain.has_env else "checklist"
-        self.train_tasks = self.domain.generate_tasks(config.seed, config.data.train_tasks, "train")
-        self.eval_tasks = self.domain.held_out_tasks(config)
-        self.sft_layout = parallel.row_layout(self.mesh, config.schedule.sft_batch_size)
-        self.rl_layout = parallel.row_layout(self.mesh, r.group_size * r.tasks_per_step)
-        if process[1] > 1 and not self.domain.has_env:
-            # Each host holds only its share of the training tasks, so every group must be
-            # sampled on one host.
-            parallel.check_whole_groups(self.rl_layout, r.group_size, "rollout.group_size")
-
-    def _build_rl(self, params) -> None:
-        """The RL phase's optimizer, shardings and GRPO step (only for a mode that trains RL)."""
-        r = self.config.rollout
-        self.rl_tx = make_optimizer(self.config.optim)
-        rows = (r.group_size * r.tasks_per_step, max(r.length_buckets))
-        self.rl_shardings = make_shardings(self.mesh, params, self.rl_tx, rows)
-        self.grpo_step = self.mode.grpo_step(
-            lambda c: make_grpo_step(self.model, self.rl_tx, c, shardings=self.rl_shardings),
-            self.config.grpo,
-        )
-
     # ------------------------------------------------------------------------------- run
 
     def run(self, force: bool = False) -> dict[str, Any]:
@@ -230,6 +186,52 @@ class Trainer:
                 self._save(g, state, phase.meta(i))
                 last_good = g
         return state
+
+    # ---------------------------------------------------------------------- construction
+
+    @contextlib.contextmanager
+    def _timed(self, part: str):
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.times[part] = self.times.get(part, 0.0) + time.time() - t0
+
+    def _tasks(self, config: JobConfig) -> None:
+        """The domain, its training and held-out tasks, and the rows of each global batch this
+        process builds (every row on one host)."""
+        r = config.rollout
+        # Task files: each process reads its share of the training rows, and samples the groups
+        # of its own rows. The grounded view builds the whole batch on every process, so there
+        # every process reads every row.
+        process = (jax.process_index(), jax.process_count())
+        if r.rehearsal_view == "grounded":
+            process = (0, 1)
+        self.domain = domain(
+            config.data.env, config.data, tokenizer=self.tokenizer, process=process
+        )
+        self.eval_kind = config.eval.kind
+        if self.eval_kind == "auto":
+            self.eval_kind = "environment" if self.domain.has_env else "checklist"
+        self.train_tasks = self.domain.generate_tasks(config.seed, config.data.train_tasks, "train")
+        self.eval_tasks = self.domain.held_out_tasks(config)
+        self.sft_layout = parallel.row_layout(self.mesh, config.schedule.sft_batch_size)
+        self.rl_layout = parallel.row_layout(self.mesh, r.group_size * r.tasks_per_step)
+        if process[1] > 1 and not self.domain.has_env:
+            # Each host holds only its share of the training tasks, so every group must be
+            # sampled on one host.
+            parallel.check_whole_groups(self.rl_layout, r.group_size, "rollout.group_size")
+
+    def _build_rl(self, params) -> None:
+        """The RL phase's optimizer, shardings and GRPO step (only for a mode that trains RL)."""
+        r = self.config.rollout
+        self.rl_tx = make_optimizer(self.config.optim)
+        rows = (r.group_size * r.tasks_per_step, max(r.length_buckets))
+        self.rl_shardings = make_shardings(self.mesh, params, self.rl_tx, rows)
+        self.grpo_step = self.mode.grpo_step(
+            lambda c: make_grpo_step(self.model, self.rl_tx, c, shardings=self.rl_shardings),
+            self.config.grpo,
+        )
 
     # --------------------------------------------------------------------------- warm start
 
