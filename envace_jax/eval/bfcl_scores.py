@@ -131,7 +131,6 @@ def summarize(root: Path, categories: list[str], limit: int | None, label: str) 
         ),
         "score_dir": str(root / "score"),
     }
-    (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 

@@ -372,9 +372,8 @@ class Trainer:
                 g = self.sft_steps + i
                 curve = not self.config.eval.curve_avg4
                 key = jax.random.fold_in(self.eval_key, g)
-                t0 = time.time()
-                ev = self.evaluate(state.params, self.eval_tasks, key, greedy_only=curve)
-                self.times[f"eval_rl_step_{i}"] = time.time() - t0
+                with self._timed(f"eval_rl_step_{i}"):
+                    ev = self.evaluate(state.params, self.eval_tasks, key, greedy_only=curve)
                 self.writer.write(i, "eval", ev.as_dict(), global_step=g)
                 print(f"[eval] RL step {i}: {ev.line()}")
 
