@@ -72,6 +72,16 @@ def shared():
     # The RL update in 8 chunks of 8 rows (the same gradient): 8 rows of up to 1,024 tokens
     # keep it under 3 GB, where all 64 rows at once need 18 GB.
     config.grpo.micro_batches = 8
+    # Test-time rehearsal's memory has one place in every prompt, the end of the system turn
+    # ('Rehearsal memory: none' without one). Every training task gives one more warm-start row
+    # whose prompt carries a memory of its demonstration's calls (half of the tasks: the policy
+    # reads no memory after the warm start), and a share of the RL prompts carries one, so that
+    # RL does not unlearn reading it (docs/memory.md).
+    config.data.memory_slot = "system"
+    config.rehearsal.sft_memory_fraction = 1.0
+    config.rehearsal.rl_memory_fraction = 0.25
+    config.rehearsal.budgets = (1, 2, 4)
+    config.rehearsal.tasks = 128
     return config
 
 

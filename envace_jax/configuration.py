@@ -22,6 +22,7 @@ from envace_jax.envs.base import CORRUPTIONS
 from envace_jax.envs.registry import DOMAINS
 from envace_jax.knobs import BOOL, Section, integer, knob, nested, number, one_of, text
 from envace_jax.rl.config import GRPOConfig, OptimConfig, SFTConfig, chunking_problem
+from envace_jax.text import memory_slot
 
 JOBS = ("train", "rehearsal_eval", "headroom")  # What envace_jax.main runs (envace_jax.jobs).
 JUDGES = ("rule", "llm")  # judge.kind (envace_jax.rewards.judges)
@@ -99,6 +100,10 @@ class DataSection(Section):
     # Drop tasks whose opening prompt, tools rendered, is longer (0 = keep all; the reference
     # keeps 3,500 tokens).
     max_prompt_tokens: int = knob(0, integer(0))
+    # Where every prompt carries test-time rehearsal's memory ('Rehearsal memory: none' when
+    # there is none): 'system' (end of the system turn), 'user' (end of the instruction) or
+    # 'off' (no slot; a memory is appended to the instruction). See text.memory_slot.
+    memory_slot: str = knob("off", one_of(*memory_slot.PLACES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,8 +214,11 @@ class EvalSection(Section):
 class RehearsalSection(Section):
     """Test-time rehearsal (envace_jax.testtime.rehearsal) and what the train job keeps for it."""
 
-    # Warm-start demos whose prompt carries a memory.
+    # Warm-start demos whose prompt carries a memory (testtime.demonstrations).
     sft_memory_fraction: float = knob(0.25, number(0.0, 1.0))
+    # RL rollout tasks whose prompt carries a memory of the same kind, so that RL does not
+    # unlearn reading one.
+    rl_memory_fraction: float = knob(0.0, number(0.0, 1.0))
     # Train job: save warm-start params in the checkpoint directory's warm_start/.
     keep_warm_start: bool = knob(True, BOOL)
     # Eval: main job's workdir (or its checkpoints/); '' = workdir.
@@ -229,6 +237,9 @@ class RehearsalSection(Section):
     # memory-conditioned prompts are long (256 demo rows at once ask for ~25 GB).
     commit_rows: int = knob(64, integer(1))
     tasks: int = knob(32, integer(1))  # Held-out tasks per evaluation seed.
+    # Only the rows without rehearsal: none, the empty memory, the exact memory (the gate that
+    # shows whether the policy can read a memory at all).
+    gate_only: bool = knob(False, BOOL)
     seeds: int = knob(3, integer(1))  # Evaluation seeds (task sets, keys); tables: mean and std.
     # Task split evaluated ('test' is never used by the train job).
     split: str = knob("test", one_of("validation", "test"))
@@ -316,11 +327,17 @@ class JobConfig(Section):
             raise ValueError(f"job = {self.job!r}: {no_env}")
         if self.eval.kind == "environment":
             raise ValueError(f"eval.kind = 'environment': {no_env}; use 'checklist'")
-        if self.rehearsal.sft_memory_fraction > 0:
+        if self.data.memory_slot != "off":
             raise ValueError(
-                f"rehearsal.sft_memory_fraction = {self.rehearsal.sft_memory_fraction}: "
-                f"memory demonstrations replay calls in the environment; {no_env} (set 0)"
+                f"data.memory_slot = {self.data.memory_slot!r}: a slot holds memories of "
+                f"test-time rehearsal, which commits in an environment; {no_env} (set 'off')"
             )
+        for key in ("sft_memory_fraction", "rl_memory_fraction"):
+            if value := getattr(self.rehearsal, key):
+                raise ValueError(
+                    f"rehearsal.{key} = {value}: memories are built by replaying the reference "
+                    f"plan's alternatives in the environment; {no_env} (set 0)"
+                )
 
 
 def base_config() -> ml_collections.ConfigDict:

@@ -1,21 +1,19 @@
-"""Test-time rehearsal: rule assessor, plan selection, memory format and insertion, warm-start
-memory demonstrations, rehearsals that never touch the real environment, both modes with any
-loadable model, and the rehearsal_eval job on a smoke checkpoint."""
+"""Test-time rehearsal: rule assessor, plan selection, memory insertion, rehearsals that never
+touch the real environment, both modes with any loadable model, and the rehearsal_eval job on a
+smoke checkpoint. The memory format and the memories built from reference solutions are in
+test_rehearsal_memory.py, the memory slot in test_memory_slot.py."""
 
 import dataclasses
 import json
-import random
-import re
 
 import jax
 import numpy as np
 import pytest
 
 from envace_jax.envs.base import result_text
-from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks
-from envace_jax.testtime import demonstrations as demos
+from envace_jax.envs.demo import DemoEnv, generate_tasks
 from envace_jax.testtime import memory as mem
-from envace_jax.text.codes import Role, Status
+from envace_jax.text.codes import Status
 from envace_jax.text.tokenizer import load_tokenizer
 from tests.conftest import demo_config
 
@@ -109,32 +107,6 @@ def test_selection_prefers_fewest_problems_then_majority_then_earliest():
     assert mem.select_plan([dead, dead], [bad, bad]).index is None
 
 
-def test_structured_memory_lists_the_selected_plan_and_the_notes(tasks):
-    task = next(t for t in tasks if t.ground_truth["n_calls"] >= 2)
-    good = oracle_attempt(task)
-    wrong_calls = [(n, dict(a)) for n, a in good.calls]
-    key = next(iter(wrong_calls[0][1]))
-    wrong_calls[0][1][key] = "Zed"
-    wrong = mem.Attempt(*executed(task, wrong_calls), None, Status.TRUNCATED)
-    attempts = [wrong, good, good]
-    assessments = [mem.assess(task, a) for a in attempts]
-    text = mem.render_memory(attempts, assessments)
-    lines = text.splitlines()
-    assert lines[0] == mem.HEADER
-    assert lines[1] == "plan (2 of 3 rehearsals):"
-    plan = [ln for ln in lines if re.match(r"^\d+\. ", ln)]
-    assert len(plan) == len(good.calls)
-    for k, (line, (name, args), resp) in enumerate(
-        zip(plan, good.calls, good.responses, strict=True), 1
-    ):
-        m = re.fullmatch(rf"{k}\. (\w+) (\{{.*\}}) -> (.*)", line)
-        assert m and m.group(1) == name
-        assert json.loads(m.group(2)) == args and json.loads(m.group(3)) == json.loads(resp)
-    notes = lines[lines.index("notes:") + 1 :]
-    assert len(notes) == 1 and "Zed" in notes[0] and "no final reply" in notes[0]
-    assert mem.render_memory([], []) == f"{mem.HEADER}\nplan: none"
-
-
 def test_insert_memory_appends_to_the_instruction_only(tasks):
     task = tasks[0]
     out = mem.insert_memory(task.messages, "MEMORY")
@@ -149,83 +121,6 @@ def test_clean_generated_removes_chat_control_and_thinking():
     assert mem.clean_generated(text) == "plan: a b\nuser"
     assert mem.clean_generated("<think>unfinished thought") == ""
     assert mem.clean_generated("x" * 50, max_chars=10) == "x" * 10
-
-
-# --------------------------------------------------------------------------- warm start
-
-
-def _segment_texts(tok, enc):
-    out = []
-    for s in range(1, enc.num_segments + 1):
-        idx = enc.segments == s
-        out.append((int(enc.roles[idx][0]), tok.decode(enc.ids[idx].tolist())))
-    return out
-
-
-def test_memory_demonstrations_keep_the_targets_and_put_the_memory_in_the_prompt(tok, tasks):
-    some = tasks[:40]
-    plain = demonstrations(some, tok)
-    with_memory = demos.memory_demonstrations(some, tok, DemoEnv, fraction=0.5, seed=3)
-    assert 10 <= len(with_memory) <= 30  # about half
-    again = demos.memory_demonstrations(some, tok, DemoEnv, fraction=0.5, seed=3)
-    assert again.keys() == with_memory.keys()  # deterministic in the seed
-    assert all(np.array_equal(again[i].ids, with_memory[i].ids) for i in again)
-    for i, enc in with_memory.items():
-        # Same trained segments (ACT and REHEARSE texts), so the memory is context only.
-        assert _segment_texts(tok, enc) == _segment_texts(tok, plain[i])
-        context = tok.decode(enc.ids[enc.roles == Role.CONTEXT].tolist())
-        assert mem.HEADER in context
-        first_act = np.flatnonzero(enc.roles == Role.ACT)[0]
-        assert mem.HEADER in tok.decode(enc.ids[:first_act].tolist())
-    assert demos.memory_demonstrations(some, tok, DemoEnv, fraction=0.0, seed=3) == {}
-    with pytest.raises(ValueError, match="fraction"):
-        demos.memory_demonstrations(some, tok, DemoEnv, fraction=1.5, seed=3)
-
-
-def _plan_of(text):
-    out = []
-    for line in text.splitlines():
-        m = re.fullmatch(r"\d+\. (\w+) (\{.*\}) -> (.*)", line)
-        if m:
-            out.append((m.group(1), json.loads(m.group(2)), json.loads(m.group(3))))
-    return out
-
-
-def test_warm_start_memory_variants_against_a_real_replay(tasks):
-    """Exact memories are the executed reference; wrong-expectation ones differ in one number of
-    one response; wrong-plan ones differ in one argument, with the responses a real
-    environment gives to that plan."""
-    kinds = {"exact": 0, "expectation": 0, "plan": 0}
-    for i, task in enumerate(tasks):
-        text = demos.warm_start_memory(random.Random(i), task, DemoEnv)
-        plan = _plan_of(text)
-        ref = oracle_attempt(task)
-        ref_calls = [(n, a) for n, a in ref.calls]
-        ref_resp = [json.loads(r) for r in ref.responses]
-        calls = [(n, a) for n, a, _ in plan]
-        resp = [r for _, _, r in plan]
-        m = re.search(r"plan \((\d+) of (\d+) rehearsals\)", text)
-        support, total = int(m.group(1)), int(m.group(2))
-        assert 1 <= support <= total and total in demos.BUDGETS
-        if calls == ref_calls and resp == ref_resp:
-            kinds["exact"] += 1
-        elif calls == ref_calls:
-            kinds["expectation"] += 1
-            diff = [(a, b) for a, b in zip(resp, ref_resp, strict=True) if a != b]
-            assert len(diff) == 1
-            flat = lambda d: [x for x in re.findall(r"-?\d+", json.dumps(d))]  # noqa: E731
-            assert sum(x != y for x, y in zip(flat(diff[0][0]), flat(diff[0][1]), strict=True)) == 1
-        else:
-            kinds["plan"] += 1
-            changed = [
-                (k, a[k], b[k])
-                for (_, a), (_, b) in zip(calls, ref_calls, strict=True)
-                for k in a
-                if a[k] != b[k]
-            ]
-            assert len(changed) == 1, (text, ref_calls)
-            assert [json.loads(r) for r in executed(task, calls)[1]] == resp
-    assert min(kinds.values()) >= 10, kinds
 
 
 # ------------------------------------------------------------------- rehearsal with models
@@ -431,28 +326,55 @@ def test_both_modes_form_and_insert_the_memory_with_a_loaded_random_qwen3(
         max_new_tokens=32,
         max_memory_tokens=16,
     )
-    seen_prompts = []
+    seen_prompts, seen_tokens = [], []
     generate = ttr.rehearse_sampler.generate
 
     def recording(prompts, **kw):
-        seen_prompts.append([tok.decode(p) for p in prompts])
-        return generate(prompts, **kw)
+        seen_prompts.append([list(p) for p in prompts])
+        out = generate(prompts, **kw)
+        seen_tokens.append(np.asarray(out.tokens))
+        return out
+
+    def prompt_with(task, context):  # the chat template's own ids of the task's prompt
+        messages = mem.insert_memory(task.messages, context)
+        out = tok.apply_chat_template(
+            messages, tools=task.template_tools, add_generation_prompt=True, tokenize=True
+        )
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def context_of(r, k):  # the memory (structured) or history (summary) of attempts 1..k
+        if k == 0:
+            return ""
+        if memory == "structured":
+            return mem.render_memory(r.attempts[:k], r.assessments[:k])
+        return f"{mem.HISTORY_HEADER}\n" + mem.render_transcripts(r.attempts[:k], r.assessments[:k])
 
     ttr.rehearse_sampler.generate = recording
     for mode in REHEARSAL_STRATEGIES:
         seen_prompts.clear()
-        rehearsals = ttr.rehearse(params, tasks, mode=mode, n=2, key=jax.random.key(3))
-        assert [len(r.attempts) for r in rehearsals] == [2, 2]
+        seen_tokens.clear()
+        n = 2 if mode == "parallel" else 3
+        rehearsals = ttr.rehearse(params, tasks, mode=mode, n=n, key=jax.random.key(3))
+        assert [len(r.attempts) for r in rehearsals] == [n, n]
         if mode == "parallel":  # one sampler call, N rows per task, all from the plain prompt
-            assert len(seen_prompts) == 1 and len(seen_prompts[0]) == 4
+            assert len(seen_prompts) == 1
+            assert seen_prompts[0] == [prompt_with(t, "") for t in tasks for _ in range(n)]
             assert all(c == "" for r in rehearsals for c in r.contexts)
-        else:  # attempt 2 sees attempt 1 and its assessment
-            assert len(seen_prompts) == 2
-            for b, r in enumerate(rehearsals):
-                assert r.contexts[0] == "" and r.contexts[1]
-                assert r.contexts[1] in seen_prompts[1][b]
-                assert r.contexts[1] not in seen_prompts[0][b]
-                if assessor == "policy" and memory == "summary":
+            # Independent draws: the rows of one task differ; the same key draws them again.
+            rows = seen_tokens[0]
+            assert all(not np.array_equal(rows[2 * b], rows[2 * b + 1]) for b in range(2))
+            again = ttr.rehearse(params, tasks, mode=mode, n=n, key=jax.random.key(3))
+            assert np.array_equal(seen_tokens[1], rows)
+            assert [r.attempts for r in again] == [r.attempts for r in rehearsals]
+        else:  # attempt k sees exactly attempts 1..k-1 (and their assessments)
+            assert len(seen_prompts) == n
+            for b, (task, r) in enumerate(zip(tasks, rehearsals, strict=True)):
+                for k in range(n):
+                    assert r.contexts[k] == context_of(r, k)
+                    assert seen_prompts[k][b] == prompt_with(task, r.contexts[k])
+                if memory == "summary":
+                    assert "Rehearsal 2:" in r.contexts[2] and "Rehearsal 3:" not in r.contexts[2]
+                if assessor == "policy":
                     assert r.assessments[0].text in r.contexts[1]
         for b in (1, 2):
             memories = ttr.memories(params, tasks, rehearsals, budget=b, key=jax.random.key(4))
@@ -525,8 +447,11 @@ def test_rehearsal_eval_job_prints_the_table_and_plots_from_a_train_workdir(tmp_
     assert (tmp_path / "checkpoints" / "warm_start").is_dir()  # kept for the eval
     out = main("rehearsal_eval_smoke")
     assert "Test-time rehearsal on held-out test tasks" in out
+    assert "| minus none (± s.e.) |" in out  # differences paired by seed
     for row in (
         "| none | 0 |",
+        "| empty memory | 0 |",
+        "| exact memory | 0 |",
         "| parallel, EnvACE rehearser | 2 |",
         "| sequential, EnvACE rehearser | 2 |",
         "| parallel, warm-start rehearser | 2 |",
@@ -538,6 +463,7 @@ def test_rehearsal_eval_job_prints_the_table_and_plots_from_a_train_workdir(tmp_
     result = json.loads((tmp_path / "rehearsal_eval.json").read_text())
     assert len(result["per_seed"]) == 2
     assert set(result["aggregate"]["parallel, EnvACE rehearser"]) == {"1", "2"}
+    assert set(result["aggregate"]["exact memory"]) == {"0"}  # committed with no rehearsal
     assert (tmp_path / "rehearsal_eval.md").read_text().startswith("| test-time rehearsal |")
     # The train job's config record is left as it was.
     assert json.loads((tmp_path / "config.json").read_text())["job"] == "train"

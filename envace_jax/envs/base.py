@@ -177,6 +177,9 @@ class Domain:
     response_tools(tasks) -> the tool of each response in each task's demonstration.
     corrupted_envs(kind, rate, seed) -> an environment factory over corrupted copies of the
       world (`envs.base.CORRUPTIONS`), for the sensitivity control; None if the domain has none.
+    demonstration_messages(tasks, failure_fraction, seed, unfinished_fraction, default_fraction)
+      -> the conversation each of `demonstrations` encodes (memory demonstrations put a memory
+      of it in its prompt); None if the domain has none.
     """
 
     name: str
@@ -186,6 +189,7 @@ class Domain:
     response_tools: Callable[[Sequence[Any]], list[list[str]]]
     corrupted_envs: Callable[[str, float, int], Callable[[], Environment]] | None = None
     has_env: bool = True
+    demonstration_messages: Callable[..., list[list[dict]]] | None = None
 
     def held_out_tasks(self, config) -> list[Any]:
         """The tasks the train job evaluates on: `data.eval_tasks` of `data.eval_split`."""

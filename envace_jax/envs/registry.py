@@ -9,9 +9,11 @@ used):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from envace_jax.envs.base import Domain
+from envace_jax.text.memory_slot import slotted_task
 
 
 def _demo(data=None, **unused) -> Domain:
@@ -25,6 +27,7 @@ def _demo(data=None, **unused) -> Domain:
         demo.demonstrations,
         demo.response_tools,
         corrupted_envs,
+        demonstration_messages=demo.demonstration_messages,
     )
 
 
@@ -39,7 +42,18 @@ DOMAINS: dict[str, Callable[..., Domain]] = {"demo": _demo, "files": _files}
 
 def domain(name: str, data=None, **kwargs) -> Domain:
     """The domain registered as `name` (`config.data.env`); `data` is `config.data`, which the
-    'files' domain reads its task files from (`kwargs`: `envs.task_files.files_domain`'s)."""
+    'files' domain reads its task files from (`kwargs`: `envs.task_files.files_domain`'s).
+    With `data.memory_slot` other than 'off' every task's prompt carries the empty memory slot
+    (`text.memory_slot`)."""
     if name not in DOMAINS:
         raise ValueError(f"config.data.env = {name!r}: expected one of {tuple(DOMAINS)}")
-    return DOMAINS[name](data, **kwargs)
+    found = DOMAINS[name](data, **kwargs)
+    place = getattr(data, "memory_slot", "off")
+    if place == "off":
+        return found
+    generate = found.generate_tasks
+
+    def generate_slotted(seed: int, n: int, split: str) -> list:
+        return [slotted_task(t, place) for t in generate(seed, n, split)]
+
+    return dataclasses.replace(found, generate_tasks=generate_slotted)

@@ -1,21 +1,25 @@
-"""Memory demonstrations for the warm start.
+"""Memory demonstrations for the warm start, and memory-carrying tasks for RL rollouts.
 
-Warm start. A small policy has to learn to use a memory, and also to check it: a memory comes
-from imagined results and may be wrong. `memory_demonstrations` gives, for a fraction of the
-training tasks, the task's reference conversation with a structured memory in its prompt
-(the targets are unchanged, so the memory is context and never a target). The memory is one
-of three variants, drawn per task:
+A small policy has to learn to use a memory, and also to check it: a memory comes from
+imagined results and may be wrong. `memory_demonstrations` gives, for a share of the training
+tasks, the task's reference conversation with a structured memory in its prompt's slot (the
+targets are unchanged, so the memory is context and never a target). The memory is one of
+three variants, drawn per task:
 
-* exact (`P_EXACT`): the reference plan and its real responses, high support;
-* wrong expectation (`P_WRONG_EXPECTATION`): the reference plan with one number of one expected
-  response changed (a world-model error); the target states the real value;
-* wrong plan (the rest): one argument of one call replaced by a look-alike value from the
-  context (another id, name or amount), the plan replayed in a fresh environment for the
-  responses a faithful rehearser would expect, and the rule assessor's notes on it; the target
-  is still the reference, so the policy learns to verify the plan against the task.
+* exact (`P_EXACT`): the reference plan, high support, and for most of them (`P_AVOID`) some of
+  the task's refused alternatives as avoid lines: the reference plan with one call's tool
+  swapped for another offered tool that takes the same arguments, replayed in a fresh
+  environment, where the world refused it (`refused_alternatives`);
+* wrong plan (`P_WRONG`): such a refused alternative as the plan (the rehearsal expected it to
+  work), or, where the task has none, one argument of one call replaced by a look-alike value
+  from the context (another id, name or amount) with the refusals its replay met; the target is
+  still the reference, so the policy learns to check a plan against the task;
+* empty (the rest): ``plan: none``, what rehearsals that produced no usable attempt leave.
 
-Half of the memories also carry the notes of one more wrong-plan attempt (a rejected
-alternative, as parallel rehearsal produces).
+`exact_memory` is the oracle memory of the test-time protocol's gate (the reference plan and
+every refused alternative). `MemoryTasks` gives RL rollouts the same memories, so RL does not
+unlearn reading them. Every memory is built from the task's reference solution before training,
+as the demonstrations are; no rollout touches an environment for it.
 """
 
 from __future__ import annotations
@@ -29,19 +33,22 @@ from typing import Any
 
 from envace_jax.envs.base import error_code, parse_result_text, result_text
 from envace_jax.testtime.memory import (
+    MAX_NOTES,
     Assessment,
     Attempt,
     Selection,
-    assess,
+    conversation_plan,
     insert_memory,
     reference_plan,
+    refusals,
     render_memory,
+    with_memory,
 )
 from envace_jax.text.codes import Status
 
 BUDGETS = (1, 2, 4, 8)  # support denominators drawn for warm-start memories
-P_EXACT, P_WRONG_EXPECTATION = 0.5, 0.25
-P_EXTRA_NOTES = 0.5
+P_EXACT, P_WRONG = 0.6, 0.1
+P_AVOID = 0.75  # exact memories that also carry avoid lines (when the task has any)
 _WORD = re.compile(r"[A-Za-z]+\d*")
 _ID = re.compile(r"[A-Za-z]+\d+")
 
@@ -82,9 +89,38 @@ def _context_text(task: Any, responses: Sequence[str]) -> str:
     return "\n".join(lines + list(responses))
 
 
-def _wrong_plan(
-    rng: random.Random, task: Any, make_env: Callable[[], Any]
-) -> tuple[Attempt, Assessment] | None:
+def _replay(task: Any, calls: Sequence[tuple[str, Any]], make_env) -> tuple[str, ...]:
+    """The real responses of `calls`, in order, in a fresh environment reset to `task`."""
+    env = make_env()
+    env.reset(task)
+    return tuple(result_text(env.step([{"name": n, "arguments": a}])[0]) for n, a in calls)
+
+
+def _parameters(tool: Mapping) -> frozenset:
+    fn = tool.get("function", tool)
+    return frozenset((fn.get("parameters") or {}).get("properties") or {})
+
+
+def refused_alternatives(task: Any, make_env: Callable[[], Any]) -> list[Attempt]:
+    """The reference plan with one call's tool swapped for another offered tool that takes the
+    same arguments, cut after that call, replayed: each one whose last call the world refused."""
+    calls, _ = reference_plan(task)
+    tools = {t.get("function", t).get("name"): _parameters(t) for t in task.tools}
+    out = []
+    for i, (name, args) in enumerate(calls):
+        if not isinstance(args, Mapping):
+            continue
+        for other, params in tools.items():
+            if other == name or params != frozenset(args):
+                continue
+            plan = [*calls[:i], (other, dict(args))]
+            got = _replay(task, plan, make_env)
+            if error_code(parse_result_text(got[-1])) is not None:
+                out.append(Attempt(tuple(plan), got, None, Status.FINISHED))
+    return out
+
+
+def _look_alike_plan(rng: random.Random, task: Any, make_env) -> Attempt | None:
     """The reference plan with one argument replaced by a look-alike, replayed in a fresh
     environment (its real responses are what a faithful rehearsal expects)."""
     calls, responses = reference_plan(task)
@@ -104,75 +140,93 @@ def _wrong_plan(
     if value == calls[i][1][key]:  # an integer clamped back to itself
         value = calls[i][1][key] + 1
     new[i][1][key] = value
-    env = make_env()
-    env.reset(task)
-    got = [result_text(env.step([{"name": n, "arguments": a}])[0]) for n, a in new]
-    attempt = Attempt(tuple(new), tuple(got), None, Status.FINISHED)
-    return attempt, assess(task, attempt, require_finish=False)
+    return Attempt(tuple(new), _replay(task, new, make_env), None, Status.FINISHED)
 
 
-def _wrong_expectation(rng: random.Random, responses: list[str]) -> list[str] | None:
-    """`responses` with one integer of one response changed."""
-    options = []
-    for i, text in enumerate(responses):
-        value = parse_result_text(text)
-        if error_code(value) is None:
-            options += [(i, path) for path in _int_paths(value)]
-    if not options:
-        return None
-    i, path = rng.choice(options)
-    value = json.loads(responses[i])
-    node = value
-    for p in path[:-1]:
-        node = node[p]
-    node[path[-1]] = _look_alike(rng, node[path[-1]], "")
-    out = list(responses)
-    out[i] = result_text(value)
-    return out
+def _avoid_lines(attempts: Sequence[Attempt]) -> list[str]:
+    return [line for a in attempts for line in refusals(a)]
 
 
-def _int_paths(value: Any, prefix: tuple = ()) -> list[tuple]:
-    if isinstance(value, Mapping):
-        return [p for k, v in value.items() for p in _int_paths(v, prefix + (k,))]
-    if isinstance(value, list):
-        return [p for k, v in enumerate(value) for p in _int_paths(v, prefix + (k,))]
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [prefix]
-    return []
-
-
-def warm_start_memory(rng: random.Random, task: Any, make_env: Callable[[], Any]) -> str:
-    """A structured memory for `task` built from its reference solution: one of the variants of
-    the module docstring, drawn with `rng`."""
+def exact_memory(task: Any, make_env: Callable[[], Any], budget: int = 4) -> str:
+    """The oracle memory: the reference plan (all of `budget` rehearsals) and every refused
+    alternative of the task as an avoid line."""
     calls, responses = reference_plan(task)
+    attempt = Attempt(tuple(calls), tuple(responses), None, Status.FINISHED)
+    avoid = _avoid_lines(refused_alternatives(task, make_env))
+    return render_memory([attempt], [Assessment()], Selection(0, budget, budget), avoid)
+
+
+def warm_start_memory(
+    rng: random.Random,
+    task: Any,
+    make_env: Callable[[], Any],
+    shown: tuple[list, list] | None = None,
+) -> str:
+    """A structured memory for `task`, one of the variants of the module docstring drawn with
+    `rng`, for a demonstration that makes the calls `shown` (calls, responses; default: the
+    reference solution's). A wrong plan is drawn only where the demonstration is the reference
+    (its target is then the right action); an avoid line never names a call of the plan."""
+    reference = reference_plan(task)
+    calls, responses = shown or reference
     total = rng.choice(BUDGETS)
     draw = rng.random()
-    attempt = assessment = None
-    if draw >= P_EXACT + P_WRONG_EXPECTATION:
-        wrong = _wrong_plan(rng, task, make_env)
+    alternatives = refused_alternatives(task, make_env)
+    if draw >= P_EXACT + P_WRONG:
+        return render_memory([], [], Selection(None, 0, total))
+    if draw >= P_EXACT and _signature(calls) == _signature(reference[0]):
+        if alternatives:
+            chosen = rng.choice(alternatives)
+            # the rehearsal expected the refused call to work: its response is not shown
+            wrong = Attempt(chosen.calls, (*chosen.responses[:-1], None), None, Status.FINISHED)
+            avoid: list[str] = []
+        else:
+            wrong = _look_alike_plan(rng, task, make_env)
+            avoid = [] if wrong is None else refusals(wrong)
         if wrong is not None:
-            attempt, assessment = wrong
-    elif draw >= P_EXACT:
-        changed = _wrong_expectation(rng, responses)
-        if changed is not None:
-            attempt, assessment = (
-                Attempt(tuple(calls), tuple(changed), None, Status.FINISHED),
-                Assessment(),
-            )
-    if attempt is None:
-        attempt, assessment = (
-            Attempt(tuple(calls), tuple(responses), None, Status.FINISHED),
-            Assessment(),
-        )
-        support = rng.randint(math.ceil(total / 2), total)
-    else:
-        support = rng.randint(1, total)
-    extra = []
-    if rng.random() < P_EXTRA_NOTES:
-        other = _wrong_plan(rng, task, make_env)
-        if other is not None and not other[1].ok:
-            extra.append(other[1].note())
-    return render_memory([attempt], [assessment], Selection(0, support, total), extra)
+            selection = Selection(0, rng.randint(1, total), total)
+            return render_memory([wrong], [Assessment()], selection, avoid)
+    # the calls the demonstration makes, so that its target follows the plan
+    attempt = Attempt(tuple(calls), (None,) * len(calls), None, Status.FINISHED)
+    options = [a for a in alternatives if _signature(a.calls[-1:])[0] not in _signature(calls)]
+    avoid = []
+    if options and rng.random() < P_AVOID:
+        picked = rng.sample(options, rng.randint(1, min(len(options), MAX_NOTES)))
+        avoid = _avoid_lines(picked)
+    selection = Selection(0, rng.randint(math.ceil(total / 2), total), total)
+    return render_memory([attempt], [Assessment()], selection, avoid)
+
+
+def _signature(calls) -> list[tuple[str, str]]:
+    return [(n, json.dumps(a, sort_keys=True)) for n, a in calls]
+
+
+class MemoryTasks(Sequence):
+    """`tasks`, where a `fraction` of them (drawn per index with `seed`) carry a
+    `warm_start_memory` in their prompt; each memory is built when its task is first read."""
+
+    def __init__(
+        self, tasks: Sequence[Any], make_env: Callable[[], Any], *, fraction: float, seed: int
+    ):
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"memory fraction must be in [0, 1], got {fraction}")
+        self.tasks, self.make_env, self.fraction, self.seed = tasks, make_env, fraction, seed
+        self._built: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def carries_memory(self, i: int) -> bool:
+        return random.Random(f"{self.seed}/{i}/memory").random() < self.fraction
+
+    def __getitem__(self, i: int) -> Any:
+        i = range(len(self.tasks))[i]  # a negative index names the same task as its positive
+        if not self.carries_memory(i):
+            return self.tasks[i]
+        if i not in self._built:
+            rng = random.Random(f"{self.seed}/{i}")
+            memory = warm_start_memory(rng, self.tasks[i], self.make_env)
+            self._built[i] = with_memory(self.tasks[i], memory)
+        return self._built[i]
 
 
 def memory_demonstrations(
@@ -182,22 +236,24 @@ def memory_demonstrations(
     *,
     fraction: float,
     seed: int,
+    shown: Sequence[Sequence[Mapping]] | None = None,
 ) -> dict[int, Any]:
-    """Memory-conditioned warm-start sequences for a `fraction` of `tasks` (drawn with `seed`):
-    task index -> `EncodedConversation` of the reference conversation whose prompt carries a
-    `warm_start_memory` (ACT and REHEARSE targets as in the plain demonstrations)."""
+    """Memory-conditioned warm-start sequences for a `fraction` of `tasks` (drawn as in
+    `MemoryTasks`): task index -> `EncodedConversation` of the task's demonstration (`shown[i]`,
+    the conversation its plain demonstration shows; default: the reference conversation) with
+    a `warm_start_memory` of that demonstration's calls in its prompt (ACT and REHEARSE targets
+    as in the plain demonstrations)."""
     from envace_jax.text.trajectory import encode_conversation
 
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"memory fraction must be in [0, 1], got {fraction}")
+    chosen = MemoryTasks(tasks, make_env, fraction=fraction, seed=seed)
     out = {}
-    pick = random.Random(seed)
     for i, task in enumerate(tasks):
-        if pick.random() >= fraction:
+        if not chosen.carries_memory(i):
             continue
-        memory = warm_start_memory(random.Random(f"{seed}/{i}"), task, make_env)
+        messages = list(shown[i]) if shown is not None else list(task.reference_messages)
+        plan = conversation_plan(messages)
+        memory = warm_start_memory(random.Random(f"{seed}/{i}"), task, make_env, plan)
         n = len(task.messages)
-        messages = insert_memory(task.reference_messages[:n], memory)
-        messages += [dict(m) for m in task.reference_messages[n:]]
+        messages = insert_memory(messages[:n], memory) + [dict(m) for m in messages[n:]]
         out[i] = encode_conversation(tokenizer, messages, task.template_tools, rehearse=True)
     return out

@@ -12,25 +12,27 @@ opening messages, its tool list and the attempt), never the task's ground truth:
   rehearsed response (ids are to be taken from tool results);
 * a number in the final reply is ungrounded in the same sense.
 
-Memory formats. The memory is a text block inserted into the committed run's context:
-`insert_memory` appends it, after a blank line, to the last opening message of the task (its
-user instruction), so the chat layout, tools and system turn are left as they are.
+Memory formats. The memory fills the prompt's memory slot (`text.memory_slot`: a fixed place
+that holds "Rehearsal memory: none" when there is no memory); without a slot it is appended to
+the task's instruction.
 
 * ``structured`` (small models that cannot write summaries): the attempts are reduced to one
   selected plan (`select_plan`: fewest problems first, then the plan most attempts share, then
-  the earliest) with the responses the rehearsals expect, and notes from the assessments of
-  attempts with problems::
+  the earliest) as exact call lines, and the calls the rehearsals expect to be refused, each
+  with the refusal it met::
 
-      Rehearsal memory (expected results, not real):
+      Rehearsal memory (from private rehearsals, not real):
       plan (3 of 4 rehearsals):
-      1. find_customer {"name": "Eli"} -> {"id": "C1", "account": "A5"}
-      2. cancel_order {"order_id": "O3"} -> {"id": "O3", "status": "cancelled", ...}
-      notes:
-      - refund {"order_id": "O6"} got bad_status; revise: check ids and states in the records
+      1. find_customer {"name": "Eli"}
+      2. cancel_order {"order_id": "O3"}
+      avoid:
+      - refund {"order_id": "O3"} -> bad_status
 
-  Arguments and responses are compact JSON, as in tool calls and tool responses. A plan with no
-  calls reads ``plan (k of N rehearsals): reply without tool calls``; no usable attempt reads
-  ``plan: none``. At most `MAX_NOTES` distinct notes are kept.
+  Arguments are compact JSON, as in tool calls. The rehearsed response bodies are left out:
+  they are a rehearsal's least faithful part, and the call lines are what the committed run
+  copies. A plan with no calls reads ``plan (k of N rehearsals): reply without tool calls``;
+  no usable attempt reads ``plan: none``. At most `MAX_NOTES` distinct avoid lines are kept,
+  and a policy-written assessment (assessor 'policy') adds its text under ``notes:``.
 * ``summary`` (real LLMs): the policy writes the memory itself from a summarisation prompt
   that holds every attempt's transcript (`render_transcripts`) with its assessment; the text is
   cleaned of chat-control tokens (`clean_generated`) and inserted under `SUMMARY_HEADER`.
@@ -47,11 +49,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from envace_jax.envs.base import error_code, observed_values, parse_result_text
+from envace_jax.text import memory_slot
 from envace_jax.text.codes import Status
 from envace_jax.text.tokenizer import SPECIAL_TOKEN_TEXTS
 
 FORMATS = ("structured", "summary")
-HEADER = "Rehearsal memory (expected results, not real):"
+HEADER = "Rehearsal memory (from private rehearsals, not real):"
 SUMMARY_HEADER = "Rehearsal memory (written from private rehearsals, not real):"
 HISTORY_HEADER = "Earlier private rehearsals (expected results, not real):"
 MAX_NOTES = 3
@@ -111,13 +114,6 @@ class Assessment:
     @property
     def ok(self) -> bool:
         return not self.problems
-
-    def note(self) -> str:
-        """One line for a memory's notes."""
-        if self.text:
-            return self.text
-        what = "; ".join(self.problems[:2]) if self.problems else "no problem found"
-        return f"{what}; revise: {self.revision}" if self.revision else what
 
 
 def _args_text(arguments: Any) -> str:
@@ -210,22 +206,27 @@ def select_plan(attempts: Sequence[Attempt], assessments: Sequence[Assessment]) 
 
 
 def render_plan_lines(attempt: Attempt) -> list[str]:
-    lines = []
-    for k, ((name, args), response) in enumerate(
-        zip(attempt.calls, attempt.responses, strict=True), start=1
-    ):
-        expected = response if response is not None else "?"
-        lines.append(f"{k}. {_call_text(name, args)} -> {expected}")
-    return lines
+    return [f"{k}. {_call_text(n, a)}" for k, (n, a) in enumerate(attempt.calls, start=1)]
+
+
+def refusals(attempt: Attempt) -> list[str]:
+    """`call -> error code` of every call whose (rehearsed or real) response is an error."""
+    out = []
+    for (name, args), response in zip(attempt.calls, attempt.responses, strict=True):
+        code = None if response is None else error_code(parse_result_text(response))
+        if code is not None:
+            out.append(f"{_call_text(name, args)} -> {code}")
+    return out
 
 
 def render_memory(
     attempts: Sequence[Attempt],
     assessments: Sequence[Assessment],
     selection: Selection | None = None,
-    extra_notes: Sequence[str] = (),
+    extra_avoid: Sequence[str] = (),
 ) -> str:
-    """The structured memory of `attempts` (see the module docstring for the format)."""
+    """The structured memory of `attempts` (see the module docstring for the format);
+    `extra_avoid`: further `call -> refusal` lines, after the attempts' own."""
     selection = selection or select_plan(attempts, assessments)
     lines = [HEADER]
     if selection.index is None:
@@ -238,8 +239,12 @@ def render_memory(
             lines += render_plan_lines(chosen)
         else:
             lines.append(head + ": reply without tool calls")
-    notes = [assessments[i].note() for i in range(len(attempts)) if not assessments[i].ok]
-    notes = list(dict.fromkeys(list(notes) + list(extra_notes)))[:MAX_NOTES]
+    avoid = [line for a in attempts for line in refusals(a)] + list(extra_avoid)
+    avoid = list(dict.fromkeys(avoid))[:MAX_NOTES]
+    if avoid:
+        lines.append("avoid:")
+        lines += [f"- {line}" for line in avoid]
+    notes = list(dict.fromkeys(s.text for s in assessments if s.text))[:MAX_NOTES]
     if notes:
         lines.append("notes:")
         lines += [f"- {n}" for n in notes]
@@ -288,19 +293,29 @@ def clean_generated(text: str, max_chars: int = 2000) -> str:
 
 
 def insert_memory(messages: Sequence[Mapping], memory: str | None) -> list[dict]:
-    """`messages` (a task's opening chat) with `memory` appended to the last message, after a
-    blank line; unchanged copies when `memory` is empty."""
-    out = [dict(m) for m in messages]
-    if memory:
-        last = out[-1]
-        last["content"] = f"{last.get('content') or ''}\n\n{memory}"
-    return out
+    """`messages` (a task's opening chat) with `memory` in their memory slot, or appended to
+    the last message when they have none (`text.memory_slot.fill`); unchanged copies when
+    `memory` is empty."""
+    return memory_slot.fill(messages, memory)
 
 
-def reference_plan(task: Any) -> tuple[list[tuple[str, Any]], list[str]]:
-    """The calls and response texts of a task's reference conversation, in order."""
+def with_memory(task: Any, memory: str) -> Any:
+    """`task` (a `data.tasks.Task`) with `memory` in its opening messages and in the opening
+    of its reference conversation."""
+    n = len(task.messages)
+    reference = insert_memory(task.reference_messages[:n], memory)
+    reference += [dict(m) for m in task.reference_messages[n:]]
+    return dataclasses.replace(
+        task,
+        messages=tuple(insert_memory(task.messages, memory)),
+        reference_messages=tuple(reference),
+    )
+
+
+def conversation_plan(messages: Sequence[Mapping]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """The calls and response texts of a conversation, in order."""
     calls, responses = [], []
-    for m in task.reference_messages:
+    for m in messages:
         if m.get("role") == "assistant":
             for c in m.get("tool_calls") or []:
                 fn = c.get("function", c)
@@ -309,3 +324,8 @@ def reference_plan(task: Any) -> tuple[list[tuple[str, Any]], list[str]]:
         elif m.get("role") == "tool":
             responses.append(str(m.get("content") or ""))
     return calls, responses
+
+
+def reference_plan(task: Any) -> tuple[list[tuple[str, Any]], list[str]]:
+    """The calls and response texts of a task's reference conversation, in order."""
+    return conversation_plan(task.reference_messages)

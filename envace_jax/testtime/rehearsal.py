@@ -12,10 +12,11 @@ executes calls (`real_env_rollouts`, host turns).
 
 * **parallel**: the N attempts of every task are rows of one batched sampler call, all from
   the task's plain prompt (independent, i.i.d. given the key).
-* **sequential**: N sampler calls; attempt k of a task is conditioned on attempts 1..k-1, each
-  followed by its assessment and revision suggestion. With the structured memory format the
-  earlier attempts enter the context as the structured memory of attempts 1..k-1 (selected plan
-  plus notes); with the summary format as their transcripts (`memory.render_transcripts`).
+* **sequential**: N sampler calls; attempt k of a task is conditioned on attempts 1..k-1. With
+  the structured memory format they enter the context as their structured memory (the plan
+  selected so far and the calls the rehearsals saw refused); with the summary format as their
+  transcripts, each followed by its assessment and revision suggestion
+  (`memory.render_transcripts`).
 
 After every attempt comes an assessment: the rule assessor (`memory.assess`, no ground truth)
 or, with `assessor='policy'`, an assessment the policy writes from a prompt (`ASSESS_SYSTEM`),
@@ -24,8 +25,8 @@ kept next to the rule findings (which still rank attempts for the structured mem
 The memory of a budget b uses attempts 1..b (`memories(..., budget=b)`), so one rehearsal with
 n attempts serves every budget b <= n: in parallel mode the first b of n i.i.d. attempts are b
 i.i.d. attempts, and in sequential mode attempts 1..b are exactly what a run with n = b makes.
-The memory is inserted into the committed run's prompt by `memory.insert_memory` (the format
-is documented in `envace_jax.testtime.memory`).
+The memory fills the committed run's memory slot (`memory.insert_memory`; the format is
+documented in `envace_jax.testtime.memory`, the slot in `envace_jax.text.memory_slot`).
 """
 
 from __future__ import annotations

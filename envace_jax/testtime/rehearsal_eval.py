@@ -49,6 +49,7 @@ from flax import nnx
 
 from envace_jax import knobs
 from envace_jax.configuration import JobConfig
+from envace_jax.envs.base import error_code, parse_result_text
 from envace_jax.envs.registry import domain
 from envace_jax.runtime import checkpoint as ckpt_lib
 from envace_jax.runtime.build import build_mesh, build_model, build_tokenizer
@@ -63,9 +64,12 @@ from envace_jax.runtime.workdir import (
 )
 from envace_jax.sampling.distributions import SamplingParams
 from envace_jax.testtime import memory as mem
+from envace_jax.testtime.demonstrations import exact_memory
 from envace_jax.testtime.rehearsal import REHEARSAL_STRATEGIES, Committed, TestTimeRehearsal
 
 REHEARSERS = ("EnvACE", "warm-start")
+STRATA = ("visible", "hidden")  # demo tasks: is the branch's state in the prompt
+MEMORY_ROWS = ("empty memory", "exact memory")  # memories that no rehearsal wrote
 
 
 class RehearsalEvalError(ValueError):
@@ -148,12 +152,20 @@ def _any_reference_plan(rehearsal, budget: int, task) -> bool:
     return any(_same_calls(a.calls, ref) for a in rehearsal.attempts[:budget])
 
 
+def _stratum(task) -> str | None:
+    return (task.ground_truth or {}).get("stratum")
+
+
 def _row_stats(committed: Committed, tasks, plans=None, any_ok=None) -> dict[str, float]:
     res = committed.results
     out = {
         "success": float(np.mean([r.success for r in res])),
         "reward": float(np.mean([r.reward for r in res])),
     }
+    for stratum in STRATA:  # the domain's strata, where its tasks carry them
+        picked = [r.success for r, t in zip(res, tasks, strict=True) if _stratum(t) == stratum]
+        if picked:
+            out[f"success {stratum}"] = float(np.mean(picked))
     if plans is not None:
         refs = [mem.reference_plan(t)[0] for t in tasks]
         out["any_ok"] = float(np.mean(any_ok))
@@ -174,10 +186,11 @@ def _row_stats(committed: Committed, tasks, plans=None, any_ok=None) -> dict[str
 
 
 def evaluate_seed(
-    ttr: TestTimeRehearsal, policies, tasks, budgets, key, eval_cfg, make_env
+    ttr: TestTimeRehearsal, policies, tasks, budgets, key, eval_cfg, make_env, gate_only=False
 ) -> dict:
     """Every row of the table for one task set (run in environments from `make_env`):
-    {row name: {budget: stats}}."""
+    {row name: {budget: stats}}. gate_only: the rows without rehearsal only (none, the empty
+    memory, the exact memory)."""
     n = max(budgets)
     executor = policies["EnvACE"]
     commit = lambda params, tasks_, memories, k: ttr.commit(  # noqa: E731
@@ -195,37 +208,68 @@ def evaluate_seed(
     out["none, warm-start policy"] = {
         0: _row_stats(commit(policies["warm-start"], tasks, None, ckey), tasks)
     }
-    for name in REHEARSERS:
-        params = policies[name]
-        rows, memories, plans, any_ok, where = [], [], [], [], []
-        for m_i, mode in enumerate(REHEARSAL_STRATEGIES):
-            t0 = time.time()
-            rkey = jax.random.fold_in(key, 10 + m_i)  # the same for both rehearsers (paired)
-            rehearsals = ttr.rehearse(params, tasks, mode=mode, n=n, key=rkey)
-            for b in budgets:
-                memories += ttr.memories(
-                    params, tasks, rehearsals, budget=b, key=jax.random.fold_in(rkey, b)
-                )
-                plans += [_memory_plan(r, b) for r in rehearsals]
-                any_ok += [
-                    _any_reference_plan(r, b, t) for r, t in zip(rehearsals, tasks, strict=True)
-                ]
-                rows += list(tasks)
-                where.append((mode, b))
-            print(
-                f"  [{name} rehearser, {mode}] {n} attempts in {time.time() - t0:.0f}s", flush=True
-            )
+    empty = mem.render_memory([], [])
+    oracle = [exact_memory(t, make_env, n) for t in tasks]
+    for row, memories in zip(MEMORY_ROWS, ([empty] * len(tasks), oracle), strict=True):
+        out[row] = {0: _row_stats(commit(executor, tasks, memories, ckey), tasks)}
+    for name in REHEARSERS if not gate_only else ():
+        by_executor = lambda rows, memories: commit(executor, rows, memories, ckey)  # noqa: E731
+        out.update(
+            _rehearser_rows(ttr, name, policies[name], tasks, budgets, key, make_env, by_executor)
+        )
+    return out
+
+
+def refusal_recall(rehearsals, tasks, budget: int, make_env) -> float:
+    """The share of the real refusals among the first `budget` attempts' calls that the
+    attempts' rehearsed responses predicted (an error where the world gives one); each
+    attempt's calls are replayed in a fresh real environment. A diagnostic: no memory or
+    decision reads it. NaN where the world refused none of the calls."""
+    real = predicted = 0
+    for r, task in zip(rehearsals, tasks, strict=True):
+        for a in r.attempts[:budget]:
+            env = make_env()
+            env.reset(task)
+            for (name, args), rehearsed in zip(a.calls, a.responses, strict=True):
+                if rehearsed is None:
+                    break
+                got = env.step([{"name": name, "arguments": args}])[0]
+                if error_code(got) is not None:
+                    real += 1
+                    predicted += error_code(parse_result_text(rehearsed)) is not None
+    return predicted / real if real else float("nan")
+
+
+def _rehearser_rows(ttr, name, params, tasks, budgets, key, make_env, commit) -> dict:
+    """The rows of one rehearser: each mode at each budget, its memories conditioning one
+    committed run per task (`commit(tasks, memories)`: the EnvACE-trained policy's)."""
+    n = max(budgets)
+    rows, memories, plans, any_ok, recall, where = [], [], [], [], [], []
+    for m_i, mode in enumerate(REHEARSAL_STRATEGIES):
         t0 = time.time()
-        committed = commit(executor, rows, memories, ckey)
-        print(f"  [{name} rehearser] committed runs in {time.time() - t0:.0f}s", flush=True)
-        T = len(tasks)
-        for j, (mode, b) in enumerate(where):
-            part = Committed(
-                committed.results[j * T : (j + 1) * T], committed.prompts[j * T : (j + 1) * T]
+        rkey = jax.random.fold_in(key, 10 + m_i)  # the same for both rehearsers (paired)
+        rehearsals = ttr.rehearse(params, tasks, mode=mode, n=n, key=rkey)
+        for b in budgets:
+            memories += ttr.memories(
+                params, tasks, rehearsals, budget=b, key=jax.random.fold_in(rkey, b)
             )
-            cut = slice(j * T, (j + 1) * T)
-            stats = _row_stats(part, tasks, plans[cut], any_ok[cut])
-            out.setdefault(f"{mode}, {name} rehearser", {})[b] = stats
+            plans += [_memory_plan(r, b) for r in rehearsals]
+            any_ok += [_any_reference_plan(r, b, t) for r, t in zip(rehearsals, tasks, strict=True)]
+            recall.append(refusal_recall(rehearsals, tasks, b, make_env))
+            rows += list(tasks)
+            where.append((mode, b))
+        print(f"  [{name} rehearser, {mode}] {n} attempts in {time.time() - t0:.0f}s", flush=True)
+    t0 = time.time()
+    committed = commit(rows, memories)
+    print(f"  [{name} rehearser] committed runs in {time.time() - t0:.0f}s", flush=True)
+    out: dict = {}
+    T = len(tasks)
+    for j, (mode, b) in enumerate(where):
+        cut = slice(j * T, (j + 1) * T)
+        part = Committed(committed.results[cut], committed.prompts[cut])
+        stats = _row_stats(part, tasks, plans[cut], any_ok[cut])
+        stats["refusal_recall"] = recall[j]
+        out.setdefault(f"{mode}, {name} rehearser", {})[b] = stats
     return out
 
 
@@ -234,13 +278,13 @@ def _aggregate(per_seed: list[dict]) -> dict:
     out: dict = {}
     for row in per_seed[0]:
         for b in per_seed[0][row]:
-            for metric in per_seed[0][row][b]:
-                vals = [s[row][b][metric] for s in per_seed]
-                out.setdefault(row, {}).setdefault(b, {})[metric] = (
-                    float(np.mean(vals)),
-                    float(np.std(vals)),
-                    vals,
-                )
+            # a seed whose tasks lack a stratum has no value for it: NaN, left out of the mean
+            metrics = dict.fromkeys(k for s in per_seed for k in s[row][b])
+            for metric in metrics:
+                vals = [s[row][b].get(metric, float("nan")) for s in per_seed]
+                kept = [v for v in vals if not np.isnan(v)]
+                mean, std = (np.mean(kept), np.std(kept)) if kept else (np.nan, np.nan)
+                out.setdefault(row, {}).setdefault(b, {})[metric] = (float(mean), float(std), vals)
     return out
 
 
@@ -249,34 +293,44 @@ def _cell(v) -> str:
     return f"{mean:.3f} ± {std:.3f}"
 
 
+def paired(row: dict, base: dict, metric: str = "success") -> tuple[float, float]:
+    """Mean and standard error over seeds of `row` minus `base` (the same tasks and keys)."""
+    diff = np.asarray(row[metric][2]) - np.asarray(base[metric][2])
+    se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("nan")
+    return float(diff.mean()), se
+
+
+def table_rows(agg: dict, table_budget: int) -> list[tuple[str, int]]:
+    """(row, budget) of the main table, in order, for the rows `agg` holds."""
+    order = ["none", *MEMORY_ROWS]
+    order += [f"{m}, {r} rehearser" for r in REHEARSERS for m in REHEARSAL_STRATEGIES]
+    order.append("none, warm-start policy")
+    return [(r, table_budget if "rehearser" in r else 0) for r in order if r in agg]
+
+
 def tables(agg: dict, budgets: Sequence[int], table_budget: int, n_seeds: int, n_tasks: int) -> str:
-    order = ["none"] + [f"{m}, {r} rehearser" for r in REHEARSERS for m in REHEARSAL_STRATEGIES]
-    header = ["test-time rehearsal", "N", "success", "per seed", "reward"]
-    header += ["any attempt ok", "plan ok", "follows"]
+    header = ["test-time rehearsal", "N", "success", "per seed", "minus none (± s.e.)"]
+    header += [f"success {s}" for s in STRATA]
+    header += ["any attempt ok", "plan ok", "follows", "refusal recall"]
     rows = []
-    for row in order + ["none, warm-start policy"]:
-        b = 0 if row.startswith("none") else table_budget
+    for row, b in table_rows(agg, table_budget):
         m = agg[row][b]
-        rows.append(
-            [
-                row,
-                b,
-                _cell(m["success"]),
-                " ".join(f"{x:.3f}" for x in m["success"][2]),
-                _cell(m["reward"]),
-                _cell(m["any_ok"]) if "any_ok" in m else "-",
-                _cell(m["plan_ok"]) if "plan_ok" in m else "-",
-                _cell(m["follows"]) if "follows" in m else "-",
-            ]
-        )
-    main = table(rows, header)
-    curve_rows = [[row] + [_cell(agg[row][b]["success"]) for b in budgets] for row in order[1:]]
-    curve = table(curve_rows, ["success by N"] + [str(b) for b in budgets])
+        diff = "-" if row == "none" else "{:+.3f} ± {:.3f}".format(*paired(m, agg["none"][0]))
+        cells = [row, b, _cell(m["success"]), " ".join(f"{x:.3f}" for x in m["success"][2]), diff]
+        cells += [_cell(m[k]) if k in m else "-" for k in (f"success {s}" for s in STRATA)]
+        diagnostics = ("any_ok", "plan_ok", "follows", "refusal_recall")
+        cells += [_cell(m[k]) if k in m else "-" for k in diagnostics]
+        rows.append(cells)
+    text = table(rows, header)
+    curve = [r for r, _ in table_rows(agg, table_budget) if "rehearser" in r]
+    if curve:
+        curve_rows = [[r] + [_cell(agg[r][b]["success"]) for b in budgets] for r in curve]
+        text += "\n\n" + table(curve_rows, ["success by N"] + [str(b) for b in budgets])
     note = (
-        f"mean ± std over {n_seeds} seeds of {n_tasks} held-out tasks each; the committed run is "
-        "always the EnvACE-trained policy's"
+        f"mean ± std over {n_seeds} seeds of {n_tasks} held-out tasks each, differences paired by "
+        "seed; the committed run is always the EnvACE-trained policy's"
     )
-    return f"{main}\n\n{curve}\n\n({note})"
+    return f"{text}\n\n({note})"
 
 
 def plot(agg: dict, budgets: Sequence[int], png: str) -> None:
@@ -288,7 +342,9 @@ def plot(agg: dict, budgets: Sequence[int], png: str) -> None:
     fig, ax = plt.subplots(figsize=(5.6, 3.8))
     for name in REHEARSERS:
         for mode, style in zip(REHEARSAL_STRATEGIES, ("-", "--"), strict=True):
-            row = agg[f"{mode}, {name} rehearser"]
+            row = agg.get(f"{mode}, {name} rehearser")
+            if row is None:
+                continue
             means = [row[b]["success"][0] for b in budgets]
             stds = [row[b]["success"][1] for b in budgets]
             ax.errorbar(
@@ -358,16 +414,19 @@ def run(config: JobConfig, workdir: str) -> dict:
         key = jax.random.fold_in(jax.random.key(config.seed), 1000 + s)
         print(f"[rehearsal eval] seed {s + 1}/{r.seeds}: {len(tasks)} {r.split} tasks", flush=True)
         per_seed.append(
-            evaluate_seed(ttr, policies, tasks, budgets, key, config.eval, env_domain.make_env)
+            evaluate_seed(
+                ttr, policies, tasks, budgets, key, config.eval, env_domain.make_env, r.gate_only
+            )
         )
         done = time.time() - t_start
         eta = done / (s + 1) * (r.seeds - s - 1)
-        last = per_seed[-1]
-        parallel = last["parallel, EnvACE rehearser"][r.table_budget]["success"]
+        shown = ", ".join(
+            f"{row} {per_seed[-1][row][b]['success']:.3f}"
+            for row, b in table_rows(per_seed[-1], r.table_budget)
+        )
         print(
             f"[rehearsal eval] seed {s + 1}/{r.seeds} in {time.time() - t0:.0f}s, eta {eta:.0f}s: "
-            f"success none {last['none'][0]['success']:.3f}, parallel (EnvACE rehearser, "
-            f"N={r.table_budget}) {parallel:.3f}",
+            f"success {shown}",
             flush=True,
         )
     agg = _aggregate(per_seed)

@@ -70,6 +70,7 @@ from envace_jax.runtime.workdir import (
     phase_at,
 )
 from envace_jax.sampling.distributions import SamplingParams
+from envace_jax.testtime.demonstrations import MemoryTasks
 from envace_jax.train import evaluation, report, warm_start_data
 from envace_jax.train.diagnostics import copy_metrics, held_out_probe
 from envace_jax.train.evaluation import eval_from_dict
@@ -124,8 +125,7 @@ class Trainer:
             self._build_rl(params)
         self.run_dir = RunDir(config, workdir)
         self.writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
-        self._demos = None
-        self._probe = None
+        self._demos = self._probe = None
         self.times["build"] = time.time() - started
 
     # ------------------------------------------------------------------------------- run
@@ -214,6 +214,9 @@ class Trainer:
         if self.eval_kind == "auto":
             self.eval_kind = "environment" if self.domain.has_env else "checklist"
         self.train_tasks = self.domain.generate_tasks(config.seed, config.data.train_tasks, "train")
+        # A share of RL prompts carries a memory (testtime.demonstrations).
+        rm, make_env = config.rehearsal.rl_memory_fraction, self.domain.make_env
+        self.rl_tasks = MemoryTasks(self.train_tasks, make_env, fraction=rm, seed=config.seed + 1)
         self.eval_tasks = self.domain.held_out_tasks(config)
         self.sft_layout = parallel.row_layout(self.mesh, config.schedule.sft_batch_size)
         self.rl_layout = parallel.row_layout(self.mesh, r.group_size * r.tasks_per_step)
@@ -350,7 +353,7 @@ class Trainer:
         def step(state, i):
             g = self.sft_steps + i
             t0, calls = time.time(), self.rl_envs.calls
-            tasks = [self.train_tasks[k] for k in stream.next_indices(r.tasks_per_step)]
+            tasks = [self.rl_tasks[k] for k in stream.next_indices(r.tasks_per_step)]
             rb = self.rollouts(state.params, tasks, jax.random.fold_in(self.key, g), sampling)
             t1 = time.time()
             batch = self._global_batch(rb.batch, self.rl_layout, self.rl_shardings)

@@ -3,11 +3,13 @@
 Each demonstration is one training task's oracle conversation (`text.trajectory.
 EncodedConversation`): the agent's messages as ACT targets and the real environment's responses
 as REHEARSE targets. A share `data.failure_demos` shows a failing call and its recovery (the
-domain's `demonstrations`); for a share `rehearsal.sft_memory_fraction` of the tasks the prompt
-also carries a rehearsal memory (exact, or partly wrong so that the policy learns to check it;
-`testtime.memory`), which test-time rehearsal gives the committed run. A share
-`data.simulator_demos` also gives one simulator row per tool turn: the grounded rehearsal
-view's prompt with the real response as the target (`rollout.grounded`).
+domain's `demonstrations`). A share `data.simulator_demos` also gives one simulator row per
+tool turn: the grounded rehearsal view's prompt with the real response as the target
+(`rollout.grounded`). A share `rehearsal.sft_memory_fraction` of the tasks also gives one more
+row: the reference conversation with a rehearsal memory in its prompt (exact, wrong so that the
+policy learns to check it, or empty; `testtime.demonstrations`), what test-time rehearsal
+gives the committed run. Both are extra rows, so the plain demonstrations keep the shares of
+their demonstrators (the imperfect one included).
 """
 
 from __future__ import annotations
@@ -26,21 +28,11 @@ from envace_jax.testtime.demonstrations import memory_demonstrations
 
 def demonstrations(config, domain: Domain, tasks: Sequence, tokenizer) -> list:
     """One encoded demonstration per task (see the module docstring), then the simulator rows
-    of a share `data.simulator_demos` of them (`rollout.grounded`)."""
-    demos = domain.demonstrations(
-        tasks,
-        tokenizer,
-        config.data.failure_demos,
-        config.seed,
-        unfinished_fraction=config.data.unfinished_demos,
-        default_fraction=config.data.default_action_demos,
-    )
-    fraction = config.rehearsal.sft_memory_fraction
-    if fraction > 0:
-        with_memory = memory_demonstrations(
-            tasks, tokenizer, domain.make_env, fraction=fraction, seed=config.seed
-        )
-        demos = [with_memory.get(i, d) for i, d in enumerate(demos)]
+    of a share `data.simulator_demos` of them (`rollout.grounded`), then the memory rows of a
+    share `rehearsal.sft_memory_fraction` (`testtime.demonstrations`)."""
+    d = config.data
+    drawn = (d.failure_demos, config.seed, d.unfinished_demos, d.default_action_demos)
+    demos = domain.demonstrations(tasks, tokenizer, *drawn)
     if config.data.simulator_demos > 0:
         share = config.data.simulator_demos
         chosen = [
@@ -51,6 +43,14 @@ def demonstrations(config, domain: Domain, tasks: Sequence, tokenizer) -> list:
         demos += simulator_demonstrations(
             tokenizer, [tasks[i] for i in chosen], [demos[i] for i in chosen]
         )
+    fraction = config.rehearsal.sft_memory_fraction
+    if fraction > 0:  # extra rows: the plain demonstrations keep their demonstrators' shares
+        # each memory row shows its task's demonstrator, with a memory of its calls
+        shown = domain.demonstration_messages and domain.demonstration_messages(tasks, *drawn)
+        with_memory = memory_demonstrations(
+            tasks, tokenizer, domain.make_env, fraction=fraction, seed=config.seed, shown=shown
+        )
+        demos += [with_memory[i] for i in sorted(with_memory)]
     return demos
 
 

@@ -1,7 +1,12 @@
 """The demo domain: a small executable shop/bank world, its tasks, oracle and demonstrations."""
 
 from envace_jax.envs.demo.env import DemoEnv
-from envace_jax.envs.demo.oracle import demonstrations, oracle_messages, response_tools
+from envace_jax.envs.demo.oracle import (
+    demonstration_messages,
+    demonstrations,
+    oracle_messages,
+    response_tools,
+)
 from envace_jax.envs.demo.tasks import (
     FAMILIES,
     FAMILY_TOOLS,
@@ -22,6 +27,7 @@ __all__ = [
     "TOOL_NAMES",
     "TOOL_SCHEMAS",
     "DemoEnv",
+    "demonstration_messages",
     "demonstrations",
     "generate_tasks",
     "make_task",

@@ -131,6 +131,30 @@ def unfinished_messages(task: Any, env: DemoEnv | None = None) -> list[dict[str,
     return [*messages[:-3], messages[-1]]
 
 
+def demonstration_messages(
+    tasks: Sequence[Any],
+    failure_fraction: float = 0.0,
+    seed: int = 0,
+    unfinished_fraction: float = 0.0,
+    default_fraction: float = 0.0,
+) -> list[list[dict[str, Any]]]:
+    """The conversation each task's warm-start demonstration shows (see `demonstrations`), its
+    demonstrator drawn per task index from `seed`."""
+    env = DemoEnv()
+    out = []
+    for i, t in enumerate(tasks):
+        rng = random.Random(f"{seed}-{i}-recovery")
+        messages = None
+        if random.Random(f"{seed}-{i}-default").random() < default_fraction:
+            messages = default_messages(t, env)
+        elif random.Random(f"{seed}-{i}-unfinished").random() < unfinished_fraction:
+            messages = unfinished_messages(t, env)
+        elif rng.random() < failure_fraction:
+            messages = recovery_messages(t, rng, env)
+        out.append(messages or oracle_messages(t, env))
+    return out
+
+
 def demonstrations(
     tasks: Sequence[Any],
     tokenizer,
@@ -152,20 +176,13 @@ def demonstrations(
     # Imported here: the environment itself needs no tokenizer machinery.
     from envace_jax.text.trajectory import encode_conversation
 
-    env = DemoEnv()
-    out = []
-    for i, t in enumerate(tasks):
-        rng = random.Random(f"{seed}-{i}-recovery")
-        messages = None
-        if random.Random(f"{seed}-{i}-default").random() < default_fraction:
-            messages = default_messages(t, env)
-        elif random.Random(f"{seed}-{i}-unfinished").random() < unfinished_fraction:
-            messages = unfinished_messages(t, env)
-        elif rng.random() < failure_fraction:
-            messages = recovery_messages(t, rng, env)
-        messages = messages or oracle_messages(t, env)
-        out.append(encode_conversation(tokenizer, messages, t.template_tools, rehearse=True))
-    return out
+    shown = demonstration_messages(
+        tasks, failure_fraction, seed, unfinished_fraction, default_fraction
+    )
+    return [
+        encode_conversation(tokenizer, messages, t.template_tools, rehearse=True)
+        for t, messages in zip(tasks, shown, strict=True)
+    ]
 
 
 def response_tools(tasks: Sequence[Any]) -> list[list[str]]:
