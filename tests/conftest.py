@@ -80,6 +80,18 @@ def demo_config(variant=None):
     return config_file("demo", variant)
 
 
+def executed(task, calls):
+    """(calls, responses) of `calls` run in a fresh demo environment reset to `task`."""
+    from envace_jax.envs.base import result_text
+    from envace_jax.envs.demo import DemoEnv
+
+    env = DemoEnv()
+    env.reset(task)
+    return tuple(calls), tuple(
+        result_text(env.step([{"name": n, "arguments": a}])[0]) for n, a in calls
+    )
+
+
 def fake_devices_env(devices: int) -> dict[str, str]:
     """Environment of a subprocess that sees `devices` fake CPU devices and imports this
     checkout (sharding and multi-process tests run their JAX programs in a fresh process). The

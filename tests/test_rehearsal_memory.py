@@ -15,35 +15,16 @@ import numpy as np
 import pytest
 
 from envace_jax.configuration import ConfigError, validate
-from envace_jax.envs.base import result_text
 from envace_jax.envs.demo import DemoEnv, demonstrations, generate_tasks
 from envace_jax.testtime import demonstrations as demos
 from envace_jax.testtime import memory as mem
 from envace_jax.text import memory_slot as ms
 from envace_jax.text.codes import Role, Status
-from envace_jax.text.tokenizer import load_tokenizer
-from tests.conftest import demo_config
+from tests import test_testtime
+from tests.conftest import demo_config, executed
 
+tok, tasks = test_testtime.tok, test_testtime.tasks  # the fixtures both files use
 HEADER = "Rehearsal memory (from private rehearsals, not real):"  # the documented header
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("demo")
-
-
-@pytest.fixture(scope="module")
-def tasks():
-    return generate_tasks(7, 120, "train")
-
-
-def executed(task, calls):
-    """(calls, responses) of `calls` run in a fresh real environment."""
-    env = DemoEnv()
-    env.reset(task)
-    return tuple(calls), tuple(
-        result_text(env.step([{"name": n, "arguments": a}])[0]) for n, a in calls
-    )
 
 
 def code_of(response: str):
@@ -412,3 +393,6 @@ def test_table_differences_are_paired_by_seed_and_gate_rows_stand_alone():
     assert (
         f"| exact memory | 0 | 0.833 ± 0.118 | 0.750 1.000 0.750 | +{mean:.3f} ± {se:.3f} |" in text
     )
+    # The claims table: the same paired difference, with its verdict (beyond 2 s.e.: supported).
+    assert mean > 2 * se
+    assert f"| exact memory - none | +0.05 | +{mean:.3f} ± {se:.3f}, supported |" in text

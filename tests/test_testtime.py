@@ -10,12 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from envace_jax.envs.base import result_text
 from envace_jax.envs.demo import DemoEnv, generate_tasks
 from envace_jax.testtime import memory as mem
 from envace_jax.text.codes import Status
 from envace_jax.text.tokenizer import load_tokenizer
-from tests.conftest import demo_config
+from tests.conftest import demo_config, executed
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +25,6 @@ def tok():
 @pytest.fixture(scope="module")
 def tasks():
     return generate_tasks(7, 120, "train")
-
-
-def executed(task, calls):
-    """(calls, responses) of `calls` run in a fresh real environment."""
-    env = DemoEnv()
-    env.reset(task)
-    return tuple(calls), tuple(
-        result_text(env.step([{"name": n, "arguments": a}])[0]) for n, a in calls
-    )
 
 
 def oracle_attempt(task):

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from envace_jax.runtime.metrics import verdict
+
 # The comparison's arms: name -> the config keys that make it (every other key is the base's).
 ARMS: dict[str, dict[str, Any]] = {
     "sft_only": {"mode": "sft_only"},
@@ -117,16 +119,7 @@ def compare_means(a: dict, b: dict, key: str = "success") -> tuple[float, float,
     else:
         d = a[key] - b[key]
         se = math.sqrt(a[key + "_std"] ** 2 / a["n"] + b[key + "_std"] ** 2 / b["n"])
-    return d, se, _verdict(d, se)
-
-
-def _verdict(d: float, se: float) -> str:
-    """'supported' beyond twice the standard error, 'contradicted' below minus twice it."""
-    if d > 2 * se and d > 0:
-        return "supported"
-    if d < -2 * se and d < 0:
-        return "contradicted"
-    return "not resolved"
+    return d, se, verdict(d, se)
 
 
 def claims(summary) -> list[tuple[str, str, str, str]]:

@@ -113,6 +113,17 @@ def plot_curves(
     plt.close(fig)
 
 
+def verdict(difference: float, se: float) -> str:
+    """A claim's verdict from a difference and its standard error over seeds: 'supported'
+    beyond twice the standard error, 'contradicted' below minus twice it, else 'not resolved'
+    (seed noise can explain it)."""
+    if difference > 2 * se and difference > 0:
+        return "supported"
+    if difference < -2 * se and difference < 0:
+        return "contradicted"
+    return "not resolved"
+
+
 def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
     """A Markdown table (numbers to 3 decimals)."""
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)

@@ -53,7 +53,7 @@ from envace_jax.envs.base import error_code, parse_result_text
 from envace_jax.envs.registry import domain
 from envace_jax.runtime import checkpoint as ckpt_lib
 from envace_jax.runtime.build import build_mesh, build_model, build_tokenizer
-from envace_jax.runtime.metrics import table
+from envace_jax.runtime.metrics import table, verdict
 from envace_jax.runtime.workdir import (
     ARCH_KEYS,
     checkpoint_target,
@@ -326,11 +326,55 @@ def tables(agg: dict, budgets: Sequence[int], table_budget: int, n_seeds: int, n
     if curve:
         curve_rows = [[r] + [_cell(agg[r][b]["success"]) for b in budgets] for r in curve]
         text += "\n\n" + table(curve_rows, ["success by N"] + [str(b) for b in budgets])
+    if claims := claim_rows(agg, table_budget):
+        text += "\n\n" + table(claims, ["claim", "bar", "all tasks", *STRATA])
     note = (
         f"mean ± std over {n_seeds} seeds of {n_tasks} held-out tasks each, differences paired by "
-        "seed; the committed run is always the EnvACE-trained policy's"
+        "seed (± their standard error; a verdict needs twice it); the committed run is always the "
+        "EnvACE-trained policy's; the hidden stratum is a negative control: rehearsal cannot know "
+        "its state"
     )
     return f"{text}\n\n({note})"
+
+
+CLAIMS = (  # (claim, row, baseline row, bar): differences of committed success
+    ("exact memory - none", "exact memory", "none", "+0.05"),
+    ("empty memory - none", "empty memory", "none", "-0.02"),
+    ("parallel, EnvACE rehearser - none", "parallel, EnvACE rehearser", "none", ""),
+    (
+        "parallel, EnvACE - warm-start rehearser",
+        "parallel, EnvACE rehearser",
+        "parallel, warm-start rehearser",
+        "",
+    ),
+    ("sequential, EnvACE rehearser - none", "sequential, EnvACE rehearser", "none", ""),
+    (
+        "sequential, EnvACE - warm-start rehearser",
+        "sequential, EnvACE rehearser",
+        "sequential, warm-start rehearser",
+        "",
+    ),
+)
+
+
+def claim_rows(agg: dict, table_budget: int) -> list[list[str]]:
+    """Each claim whose rows ran: its paired difference, standard error and verdict, overall
+    and per stratum (rehearser rows at `table_budget`)."""
+    out = []
+    for claim, row, base, bar in CLAIMS:
+        if row not in agg or base not in agg:
+            continue
+        a = agg[row][table_budget if "rehearser" in row else 0]
+        b = agg[base][table_budget if "rehearser" in base else 0]
+        cells = []
+        for metric in ["success"] + [f"success {s}" for s in STRATA]:
+            if metric not in a or metric not in b:
+                cells.append("-")
+                continue
+            d, se = paired(a, b, metric)
+            cells.append(f"{d:+.3f} ± {se:.3f}, {verdict(d, se)}")
+        out.append([claim, bar or "-", *cells])
+    return out
 
 
 def plot(agg: dict, budgets: Sequence[int], png: str) -> None:
