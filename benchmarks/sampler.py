@@ -85,26 +85,44 @@ def random_prompts(batch, prompt_len, vocab):
     return np.random.default_rng(0).integers(20, vocab, size=(batch, prompt_len))
 
 
-def generate_pair(ckpt, model, batch, prompt_len, new_tokens):
-    """(ours(n), theirs(n)): greedy generation of n new tokens for the same random prompts,
-    each returning the new tokens [batch, n]."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+def our_generate(model, batch, prompt_len):
+    """ours(n): our compiled greedy generation of n new tokens for `random_prompts`, returning
+    the new tokens [batch, n]."""
     prompts = random_prompts(batch, prompt_len, model.cfg.vocab_size)
-    # No stop id can end rows early: both sides decode exactly the asked tokens per row.
+    # No stop id can end rows early: every row decodes exactly the asked tokens.
     spec = loop.TurnSpec(end_id=-1, tool_call_id=-1, mode="generate", max_message_tokens=10**6)
     sampler = Sampler(model, spec, pad_id=0)
     greedy = SamplingParams(greedy=True)
-    hf = AutoModelForCausalLM.from_pretrained(ckpt).eval()
-    ids = torch.as_tensor(prompts)
 
     def ours(n):
         out = sampler.start(
             prompts.tolist(), key=jax.random.key(0), sampling=greedy, max_new_tokens=n
         )
         return np.asarray(jax.block_until_ready(out.tokens))[:, prompt_len : prompt_len + n]
+
+    return ours
+
+
+def time_decode(ours, batch, new_tokens, repeats):
+    """(tokens/s, decode steps/s with prefill taken out, the new tokens [batch, n]) of
+    `our_generate`'s `ours`, compile excluded (one warm-up call each)."""
+    mine = ours(new_tokens)
+    ours(1)
+    t_ours = best_of(lambda: ours(new_tokens), repeats)
+    t_prefill = best_of(lambda: ours(1), repeats)
+    steps_per_s = (new_tokens - 1) / max(t_ours - t_prefill, 1e-9)
+    return batch * new_tokens / t_ours, steps_per_s, mine
+
+
+def hf_generate(ckpt, batch, prompt_len, vocab):
+    """theirs(n): transformers' PyTorch greedy `generate` of n new tokens for the same prompts
+    as `our_generate`, from the same checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    hf = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    ids = torch.as_tensor(random_prompts(batch, prompt_len, vocab))
 
     def theirs(n):
         with torch.no_grad():
@@ -118,21 +136,20 @@ def generate_pair(ckpt, model, batch, prompt_len, new_tokens):
             )
         return out[:, prompt_len:].numpy()
 
-    return ours, theirs
+    return theirs
 
 
 def bench_generate(ckpt, model, batch, prompt_len, new_tokens, repeats):
     """(our tokens/s, transformers tokens/s, share of identical greedy tokens, our decode steps
     per second with prefill taken out, our new tokens)."""
-    ours, theirs = generate_pair(ckpt, model, batch, prompt_len, new_tokens)
-    mine, hf_tokens = ours(new_tokens), theirs(new_tokens)  # compile / warm up
-    ours(1)
-    t_ours = best_of(lambda: ours(new_tokens), repeats)
-    t_prefill = best_of(lambda: ours(1), repeats)
+    ours, steps_per_s, mine = time_decode(
+        our_generate(model, batch, prompt_len), batch, new_tokens, repeats
+    )
+    theirs = hf_generate(ckpt, batch, prompt_len, model.cfg.vocab_size)
+    hf_tokens = theirs(new_tokens)  # warm up
     t_hf = best_of(lambda: theirs(new_tokens), repeats)
     n = batch * new_tokens
-    steps_per_s = (new_tokens - 1) / max(t_ours - t_prefill, 1e-9)
-    return n / t_ours, n / t_hf, float((hf_tokens == mine).mean()), steps_per_s, mine
+    return ours, n / t_hf, float((hf_tokens == mine).mean()), steps_per_s, mine
 
 
 def bench_tunix(python, ckpt, prompts, new_tokens, repeats):
@@ -158,11 +175,22 @@ def decode_step_bytes(cfg, batch: int, context: float, weight_bytes: int) -> flo
     return weight_bytes + batch * context * kv
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters (what every decode step reads once)."""
+    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def roofline_fraction(cfg, weights, batch, prompt_len, new_tokens, steps_per_s, bandwidth):
+    """Share of `bandwidth` that `steps_per_s` decode steps reach, each reading `weights` bytes
+    and every row's keys and values at the mean context."""
+    step_bytes = decode_step_bytes(cfg, batch, prompt_len + new_tokens / 2, weights)
+    return step_bytes * steps_per_s / bandwidth
+
+
 def bench_real_model(path, batches, prompt_len, new_tokens, repeats):
     model, cfg = load_hf_model(path)
-    params = nnx.state(model, nnx.Param)
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    print(f"{path}: {cfg.num_params / 1e6:.1f}M params, {weight_bytes / 2**20:.0f} MiB weights")
+    weights = weight_bytes(model)
+    print(f"{path}: {cfg.num_params / 1e6:.1f}M params, {weights / 2**20:.0f} MiB weights")
     bandwidth = machine.copy_bandwidth(512)
     print(f"array copy bandwidth: {bandwidth / 1e9:.1f} GB/s")
     rows = []
@@ -170,7 +198,6 @@ def bench_real_model(path, batches, prompt_len, new_tokens, repeats):
         ours, hf, agree, steps, _ = bench_generate(
             path, model, batch, prompt_len, new_tokens, repeats
         )
-        step_bytes = decode_step_bytes(cfg, batch, prompt_len + new_tokens / 2, weight_bytes)
         rows.append(
             {
                 "batch": batch,
@@ -179,7 +206,9 @@ def bench_real_model(path, batches, prompt_len, new_tokens, repeats):
                 "ratio": ours / hf,
                 "greedy_tokens_identical": agree,
                 "decode_steps_per_s": steps,
-                "roofline_fraction": step_bytes * steps / bandwidth,
+                "roofline_fraction": roofline_fraction(
+                    cfg, weights, batch, prompt_len, new_tokens, steps, bandwidth
+                ),
             }
         )
     print(f"\nprompt {prompt_len}, {new_tokens} new tokens, greedy")

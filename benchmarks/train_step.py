@@ -50,9 +50,14 @@ def forward_flops(cfg: ModelConfig, rows: int, length: int) -> float:
     return rows * (length * per_token + attention)
 
 
-def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
-    """Best observed float32 matmul FLOP/s on the default device."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+def step_flops(cfg: ModelConfig, rows: int, length: int) -> float:
+    """Model FLOPs of one train step over [rows, length] tokens: forward + backward (2x)."""
+    return 3 * forward_flops(cfg, rows, length)
+
+
+def matmul_peak(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
+    """Best observed matmul FLOP/s in `dtype` (float32 by default) on the default device."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     mm = jax.jit(lambda x, y: x @ y)
     mm(a, a).block_until_ready()
     best = float("inf")
@@ -65,6 +70,72 @@ def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def fewest_micro_batches(rows: int, micro_rows: int) -> int:
+    """The fewest equal micro-batches of at most `micro_rows` rows that `rows` divides into."""
+    return next(n for n in range(-(-rows // micro_rows), rows + 1) if rows % n == 0)
+
+
+def time_grpo_steps(models, batches, micro, repeats, tx=None):
+    """Median seconds per GRPO step and the first step's metrics, by name: `models[name]`
+    trains on `batches[name]` in `micro[name]` micro-batches, from the same initial parameters
+    (`models`' first), compile excluded. Steps run interleaved, so background load hits all
+    alike."""
+    tx = tx or make_optimizer(OptimConfig())
+    params = nnx.state(next(iter(models.values())), nnx.Param)
+    step = {
+        n: steps.make_grpo_step(models[n], tx, GRPOConfig(micro_batches=micro[n])) for n in batches
+    }
+    states: dict[str, steps.TrainState] = {}
+    first: dict[str, dict] = {}
+    for name, batch in batches.items():  # compile and warm up
+        states[name] = steps.init_train_state(params, tx)
+        states[name], m = step[name](states[name], batch)
+        first[name] = {k: float(v) for k, v in m.items()}
+    times = {name: [] for name in batches}
+    for _ in range(repeats):
+        for name, batch in batches.items():
+            t0 = time.perf_counter()
+            states[name], m = step[name](states[name], batch)
+            jax.block_until_ready(m)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}, first
+
+
+def print_table(models, batches, micro, times, first, peak) -> dict:
+    """One line per formulation (see `time_grpo_steps`' arguments); returns the JSON figures."""
+    cols = (
+        "rows x T",
+        "micro",
+        "real tok",
+        "padded tok",
+        "step s",
+        "GFLOP",
+        "MFU",
+        "loss",
+        "grad norm",
+    )
+    print(f"{'':>8}" + "".join(f"{c:>12}" for c in cols))
+    figures = {}
+    for name, batch in batches.items():
+        b, t = batch.shape
+        sec = times[name]
+        flops = step_flops(models[name].cfg, b, t)
+        figures[name] = {"step_s": sec, "mfu": flops / sec / peak, "loss": first[name]["loss"]}
+        values = (
+            f"{b} x {t}",
+            micro[name],
+            int(np.asarray(batch.lengths).sum()),
+            b * t,
+            f"{sec:.3f}",
+            f"{flops / 1e9:.1f}",
+            f"{flops / sec / peak:.1%}",
+            f"{first[name]['loss']:.3e}",
+            f"{first[name]['grad_norm']:.5e}",
+        )
+        print(f"{name:>8}" + "".join(f"{v:>12}" for v in values))
+    return figures
 
 
 def main():
@@ -103,37 +174,14 @@ def main():
     validate(packed)
     validate(rows)
 
-    tx = make_optimizer(OptimConfig())
-    params = nnx.state(model, nnx.Param)
     # The same parameters with attention in one block (the whole T x T score matrix).
     whole = Decoder(mcfg.replace(query_block=packed.shape[1]), rngs=nnx.Rngs(0))
     models = {"packed": model, "rows": model, "1 block": whole}
     batches: dict[str, TrajectoryBatch] = {"packed": packed, "rows": rows, "1 block": packed}
     # Both accumulate over micro-batches of at most --micro-rows rows, so they run at the same
     # peak activation memory (the row batch would not fit at once).
-    micro = {}
-    for name, batch in batches.items():
-        micro[name] = next(
-            n
-            for n in range(-(-batch.shape[0] // args.micro_rows), batch.shape[0] + 1)
-            if batch.shape[0] % n == 0
-        )
-    step = {
-        n: steps.make_grpo_step(models[n], tx, GRPOConfig(micro_batches=micro[n])) for n in batches
-    }
-    states: dict[str, steps.TrainState] = {}
-    first: dict[str, dict] = {}
-    for name, batch in batches.items():  # compile and warm up
-        states[name] = steps.init_train_state(params, tx)
-        states[name], m = step[name](states[name], batch)
-        first[name] = {k: float(v) for k, v in m.items()}
-    times = {name: [] for name in batches}
-    for _ in range(args.repeats):  # interleaved, so background load hits both alike
-        for name, batch in batches.items():
-            t0 = time.perf_counter()
-            states[name], m = step[name](states[name], batch)
-            jax.block_until_ready(m)
-            times[name].append(time.perf_counter() - t0)
+    micro = {n: fewest_micro_batches(b.shape[0], args.micro_rows) for n, b in batches.items()}
+    times, first = time_grpo_steps(models, batches, micro, args.repeats)
     peak = matmul_peak()
 
     print(
@@ -141,37 +189,8 @@ def main():
         f"trajectories of {args.turns} turns ({args.turns * 2 + 1} generated messages each)"
     )
     print(f"matmul peak (float32, {jax.devices()[0].platform}): {peak / 1e9:.1f} GFLOP/s")
-    cols = (
-        "rows x T",
-        "micro",
-        "real tok",
-        "padded tok",
-        "step s",
-        "GFLOP",
-        "MFU",
-        "loss",
-        "grad norm",
-    )
-    print(f"{'':>8}" + "".join(f"{c:>12}" for c in cols))
-    figures = {}
-    for name, batch in batches.items():
-        b, t = batch.shape
-        sec = statistics.median(times[name])
-        flops = 3 * forward_flops(models[name].cfg, b, t)  # forward + backward (2x)
-        figures[name] = {"step_s": sec, "mfu": flops / sec / peak, "loss": first[name]["loss"]}
-        values = (
-            f"{b} x {t}",
-            micro[name],
-            int(np.asarray(batch.lengths).sum()),
-            b * t,
-            f"{sec:.3f}",
-            f"{flops / 1e9:.1f}",
-            f"{flops / sec / peak:.1%}",
-            f"{first[name]['loss']:.3e}",
-            f"{first[name]['grad_norm']:.5e}",
-        )
-        print(f"{name:>8}" + "".join(f"{v:>12}" for v in values))
-    tp, tr = statistics.median(times["packed"]), statistics.median(times["rows"])
+    figures = print_table(models, batches, micro, times, first, peak)
+    tp, tr = times["packed"], times["rows"]
     real_p = int(np.asarray(packed.lengths).sum())
     real_r = int(np.asarray(rows.lengths).sum())
     print(
@@ -179,7 +198,7 @@ def main():
         f"{rows.shape[0] * rows.shape[1] / (packed.shape[0] * packed.shape[1]):.2f}x fewer "
         "padded tokens"
     )
-    tw = statistics.median(times["1 block"])
+    tw = times["1 block"]
     print(
         f"query blocks of {mcfg.query_block} vs one block of {packed.shape[1]}: "
         f"{tw / tp:.2f}x faster (the table's loss and grad norm columns should agree)"

@@ -7,6 +7,7 @@ figures, so a change that breaks one is caught here, not on the next measuring d
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,24 @@ def test_structured_output_cost(tmp_path):
     got = run("structured_output", *args, tmp_path=tmp_path)
     assert 0 < got["constrained_over_unconstrained"] < 2
     assert got["constrained"]["mask_us_per_token"] > 0
+
+
+def test_device_script_smoke_run_on_cpu(tmp_path):
+    """benchmarks/device.py, the script for a lent GPU or TPU, at its --tiny size; the demo job
+    is stopped by its time limit after a few seconds."""
+    got = run("device", "--tiny", "--demo", "--demo-timeout", "3", tmp_path=tmp_path)
+    assert got["device"]["platform"] and got["device"]["kind"] and got["device"]["count"] >= 1
+    assert got["bandwidth_bytes_per_s"] > 0
+    assert [r["batch"] for r in got["decode"]["rows"]] == [1, 2]
+    for row in got["decode"]["rows"]:
+        for key in ("tokens_per_s", "decode_steps_per_s", "roofline_fraction"):
+            assert 0 < row[key] < float("inf"), (key, row)
+    train = got["train_step"]
+    for key in ("step_s", "model_flops_per_s", "matmul_flops_per_s", "fraction_of_matmul"):
+        assert 0 < train[key] < float("inf"), key
+    assert math.isfinite(train["loss"])
+    # MFU needs the device's spec-sheet peak, which a CPU has none of: null, and said why.
+    assert (train["mfu"] is None) == (train["peak_flops_per_s"] is None) and train["peak_source"]
+    demo = got["demo"]
+    assert demo["timed_out"] and demo["returncode"] != 0 and demo["wall_s"] >= 3
+    assert Path(got["log"]).exists()
