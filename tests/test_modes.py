@@ -412,6 +412,7 @@ def test_a_corrupted_world_with_corruption_off_is_grpo_in_the_real_environment(t
         "model.hf_path": "demo-base",
         "rollout.max_new_tokens": 256,
         "rollout.max_message_tokens": base_config().rollout.max_message_tokens,
+        "rehearsal.sft_memory_fraction": 0.0,  # plain demonstrations keep the base's calls
     }
     for mode in ("grpo_real_env", "corrupted_world"):
         hooks = Hooks(on_finish=lambda state, mode=mode: finals.setdefault(mode, state))
