@@ -302,14 +302,7 @@ def insert_memory(messages: Sequence[Mapping], memory: str | None) -> list[dict]
 def with_memory(task: Any, memory: str) -> Any:
     """`task` (a `data.tasks.Task`) with `memory` in its opening messages and in the opening
     of its reference conversation."""
-    n = len(task.messages)
-    reference = insert_memory(task.reference_messages[:n], memory)
-    reference += [dict(m) for m in task.reference_messages[n:]]
-    return dataclasses.replace(
-        task,
-        messages=tuple(insert_memory(task.messages, memory)),
-        reference_messages=tuple(reference),
-    )
+    return memory_slot.opening_edited(task, lambda messages: insert_memory(messages, memory))
 
 
 def conversation_plan(messages: Sequence[Mapping]) -> tuple[list[tuple[str, Any]], list[str]]:

@@ -18,7 +18,7 @@ Places (`data.memory_slot`):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 PLACES = ("off", "system", "user")
@@ -60,13 +60,19 @@ def fill(messages: Sequence[Mapping], memory: str | None) -> list[dict]:
     return out
 
 
+def opening_edited(task: Any, edit: Callable[[Sequence[Mapping]], list[dict]]) -> Any:
+    """`task` (a dataclass with `messages`, its opening chat, and `reference_messages`, which
+    begin with it) with `edit` applied to its opening in both."""
+    n = len(task.messages)
+    reference = edit(task.reference_messages[:n]) + [dict(m) for m in task.reference_messages[n:]]
+    return dataclasses.replace(
+        task, messages=tuple(edit(task.messages)), reference_messages=tuple(reference)
+    )
+
+
 def slotted_task(task: Any, place: str) -> Any:
     """`task` (a dataclass with `messages`, its opening chat, and `reference_messages`, which
     begin with it) with the empty slot at `place` in both."""
     if place == "off":
         return task
-    n = len(task.messages)
-    opening = with_slot(task.messages, place)
-    reference = with_slot(task.reference_messages[:n], place)
-    reference += [dict(m) for m in task.reference_messages[n:]]
-    return dataclasses.replace(task, messages=tuple(opening), reference_messages=tuple(reference))
+    return opening_edited(task, lambda messages: with_slot(messages, place))
