@@ -74,8 +74,8 @@ def shared():
     config.grpo.micro_batches = 8
     # Test-time rehearsal's memory has one place in every prompt, the end of the system turn
     # ('Rehearsal memory: none' without one). Every training task gives one more warm-start row
-    # whose prompt carries a memory of its demonstration's calls (half of the tasks: the policy
-    # reads no memory after the warm start), and a share of the RL prompts carries one, so that
+    # whose prompt carries a memory of its demonstration's calls (from half of the tasks the
+    # policy learned to ignore memories), and a share of the RL prompts carries one, so that
     # RL does not unlearn reading it (docs/memory.md).
     config.data.memory_slot = "system"
     config.rehearsal.sft_memory_fraction = 1.0

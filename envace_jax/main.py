@@ -24,6 +24,7 @@ import gc
 import json
 import logging as std_logging
 import os
+import signal
 import sys
 import traceback
 import warnings
@@ -196,6 +197,10 @@ def main(argv):
 
         lock = _lock_workdir(workdir, parallel.process_id_from_env())
         _run(config, workdir, lock)
+        interrupts.check()  # one a library swallowed after the trainer's last step boundary
+        # The work is done and saved: a SIGINT in the interpreter's teardown would only turn
+        # status 0 into -SIGINT.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     except KeyboardInterrupt:
         _stop(_INTERRUPTED, 130, lock)
     except Exception as e:

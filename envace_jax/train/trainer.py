@@ -160,6 +160,7 @@ class Trainer:
             final = eval_from_dict(meta["sft_eval"])
         self._save(last, state, {**meta, "phase": "done", "final_eval": final.as_dict()})
         self.run_dir.checkpointer.wait()
+        self._step_boundary()  # an interrupt Orbax swallowed in the last wait stops the export
         return self._finish(state, meta["sft_eval"], final, time.time() - t_start)
 
     def _loop(self, phase: Phase, state, start: int):
