@@ -114,9 +114,12 @@ class _NoOrbaxTracebacks(std_logging.Filter):
 
 
 def _drop_closed_loop_callbacks(hook):
-    """`sys.unraisablehook` without one kind of report: Orbax writes a checkpoint on an event
+    """`sys.unraisablehook` without two kinds of report. Orbax writes a checkpoint on an event
     loop of its own and closes it when the first write fails; TensorStore then reports each
-    other write's completion to the closed loop, as an unraisable error with a traceback."""
+    other write's completion to the closed loop, as an unraisable error with a traceback. And
+    reading an unreadable checkpoint, the first array that fails is the error the restore
+    names (one warning); the other reads, dropped unawaited, can each be reported with a
+    traceback when collected."""
 
     def unraisable(u):
         frames = traceback.extract_tb(u.exc_traceback) if u.exc_traceback else []
@@ -124,6 +127,8 @@ def _drop_closed_loop_callbacks(hook):
             isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
         )
         if closed and frames and frames[-1].name == "_check_closed":
+            return
+        if frames and frames[-1].name == "_read_array_index_and_device_put":
             return
         hook(u)
 
@@ -237,6 +242,9 @@ def _run(config, workdir: str, lock: PidLock) -> None:
     logging.info("workdir %s", workdir)
 
     from envace_jax import jobs  # heavy imports only after the config is known to be good
+    from envace_jax.runtime.workdir import use_compile_cache
+
+    use_compile_cache(workdir)
     from envace_jax.data.readers import TaskFileError
     from envace_jax.rewards.judges import JudgeFailed
     from envace_jax.runtime.checkpoint import CheckpointError

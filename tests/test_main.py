@@ -123,6 +123,7 @@ def test_smoke_run_writes_config_and_export(tmp_path):
     assert not [line for line in console if line.startswith("I1")], console[:5]
     assert len([line for line in console if not line.startswith("[")]) <= 40
     assert "checkpoint" in (workdir / "job.INFO").read_text()
+    assert any((workdir / "jax_cache").iterdir())  # compiled programs, for a rerun
 
 
 def test_cli_override_of_unknown_key_fails_naming_it(tmp_path):
@@ -200,3 +201,36 @@ def test_a_non_finite_knob_is_one_line_with_nothing_written(tmp_path):
         (line,) = r.stderr.strip().splitlines()
         assert line.startswith("error: config.") and "finite" in line, line
         assert not workdir.exists()
+
+
+_UNRAISABLE = """
+import sys, types
+from envace_jax.main import _drop_closed_loop_callbacks
+
+def _read_array_index_and_device_put():
+    raise Exception("Encountered error while reading array index")
+
+def elsewhere():
+    raise Exception("a real problem")
+
+seen = []
+hook = _drop_closed_loop_callbacks(lambda u: seen.append(str(u.exc_value)))
+for f in (_read_array_index_and_device_put, elsewhere):
+    try:
+        f()
+    except Exception as e:
+        hook(types.SimpleNamespace(exc_type=type(e), exc_value=e, exc_traceback=e.__traceback__,
+                                   err_msg=None, object=None))
+print(seen)
+"""
+
+
+def test_the_unawaited_reads_of_an_unreadable_checkpoint_are_not_reported(tmp_path):
+    """The restore names an unreadable checkpoint once; the other array reads Orbax dropped
+    unawaited are not printed with their tracebacks when collected (one run in a few printed
+    several). Any other unraisable error still is."""
+    r = subprocess.run(
+        [sys.executable, "-c", _UNRAISABLE], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['a real problem']"

@@ -221,11 +221,9 @@ def main(argv):
     root = os.path.abspath(_WORKDIR.value)
     os.makedirs(root, exist_ok=True)
     logging.set_verbosity(logging.WARNING)  # per-step Orbax lines would bury the progress
-    import jax
+    from envace_jax.runtime.workdir import use_compile_cache
 
-    # Every run compiles the same programs: a persistent cache compiles them once.
-    jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    use_compile_cache(root)  # every run compiles the same programs
 
     budget = "quick" if _QUICK.value else "full"
     try:

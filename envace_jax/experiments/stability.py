@@ -118,10 +118,9 @@ def main(argv):
     root = os.path.abspath(compare._WORKDIR.value)
     os.makedirs(root, exist_ok=True)
     logging.set_verbosity(logging.WARNING)
-    import jax
+    from envace_jax.runtime.workdir import use_compile_cache
 
-    jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    use_compile_cache(root)  # every run compiles the same programs
     try:
         seeds = [int(s) for s in compare._SEEDS.value]
         base = compare.load_config(compare._CONFIG.value)

@@ -53,6 +53,14 @@ EVAL_KEYS = ("seed", "eval", "rollout.rehearsal_view", "data.env", "data.eval_ta
 EVAL_KEYS += ("data.eval_split", "data.eval_files", "judge")
 
 
+def use_compile_cache(root: str) -> None:
+    """Keeps compiled programs in `root`/jax_cache, so a rerun on the same directory (a resumed
+    job, another job on a train workdir, the runs of a comparison) loads them instead of
+    compiling again. Programs that compile in under a second are not kept."""
+    jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def config_json(config: JobConfig) -> dict[str, Any]:
     """The config as checkpoint meta saves it (tuples become lists, as JSON has them)."""
     return json.loads(json.dumps(knobs.as_dict(config)))

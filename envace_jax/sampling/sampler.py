@@ -248,15 +248,17 @@ class Sampler:
 
     @staticmethod
     def _rows_bucket(going: np.ndarray, batch: int | None = None) -> np.ndarray | None:
-        """The rows `going` [B] marks, padded with others to a multiple of `_row_step(batch)`
-        (batch: the whole batch's rows, default B), when that is fewer than B; else None."""
-        B = len(going)
-        step = _row_step(batch or B)
-        b = max(-(-int(going.sum()) // step) * step, step)
+        """The rows `going` [B] marks, padded with others to `_row_step(batch)` times a power
+        of two (batch: the whole batch's rows, default B), when that is fewer than B; else
+        None."""
+        B, n = len(going), int(going.sum())
+        b = _row_step(batch or B)
+        while b < n:
+            b *= 2
         if b >= B:
             return None
         others = np.flatnonzero(~going)
-        return np.sort(np.concatenate([np.flatnonzero(going), others[: b - going.sum()]]))
+        return np.sort(np.concatenate([np.flatnonzero(going), others[: b - n]]))
 
     def generate(
         self,
@@ -323,10 +325,16 @@ class Sampler:
         return ids, lens
 
 
+# A smaller batch has at least this many rows: a part of fewer saves a few rows' decode steps
+# and costs a program of its own (2-4 s to compile on a CPU).
+MIN_PART_ROWS = 8
+
+
 def _row_step(batch: int) -> int:
-    """Smaller batches of a `batch`-row state are multiples of this: eight sizes at most, so a
-    run compiles a few programs."""
-    return max(batch // 8, 1)
+    """The smallest batch taken from a `batch`-row state; the others are it times a power of
+    two, so a batch size compiles three smaller programs at most (an evaluation's first pass
+    compiled 12 decode sizes when they were multiples of an eighth, 4-7 s each)."""
+    return max(batch // 8, MIN_PART_ROWS)
 
 
 def _one_device(layout: parallel.RowLayout | None) -> bool:
