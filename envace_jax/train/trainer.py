@@ -447,8 +447,7 @@ class Trainer:
         return state if phase == "sft" else self.mode.abstract_rl_state(state)
 
     def _step_boundary(self) -> None:
-        """Where the run stops for a failed background save or a SIGINT that a library
-        swallowed (`runtime.interrupts`)."""
+        """Where the run stops for a failed background save or a SIGINT a library swallowed."""
         self.run_dir.checkpointer.check()
         interrupts.check()
 
