@@ -203,6 +203,7 @@ def main(argv):
         lock = _lock_workdir(workdir, parallel.process_id_from_env())
         _run(config, workdir, lock)
         interrupts.check()  # one a library swallowed after the trainer's last step boundary
+        gc.collect()  # what is left is reported under this job's hooks, not in the teardown
         # The work is done and saved: a SIGINT in the interpreter's teardown would only turn
         # status 0 into -SIGINT.
         signal.signal(signal.SIGINT, signal.SIG_IGN)

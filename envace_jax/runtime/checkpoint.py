@@ -50,6 +50,7 @@ that raises `CheckpointError` rather than risk processes restoring different ste
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import re
@@ -273,6 +274,10 @@ class Checkpointer:
                     return self._restore_step(s, abstract_state)
                 except _Unreadable as e:
                     problem = str(e)
+                    # The reads Orbax dropped unawaited are collected now, under the job's
+                    # unraisable hook (`main`), not in the interpreter's teardown, which prints
+                    # each with a traceback.
+                    gc.collect()
             else:
                 problem = (
                     f"unfinished save: {unfinished[s].name} was left behind by a writer that "
