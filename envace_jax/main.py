@@ -248,11 +248,12 @@ def _run(config, workdir: str, lock: PidLock) -> None:
     use_compile_cache(workdir)
     from envace_jax.data.readers import TaskFileError
     from envace_jax.rewards.judges import JudgeFailed
-    from envace_jax.runtime.checkpoint import CheckpointError
+    from envace_jax.runtime.checkpoint import UNAWAITED_READ, CheckpointError
 
     # A failed checkpoint write reaches the user once, as CheckpointError (below).
     logging.get_absl_handler().addFilter(_NoOrbaxTracebacks())  # every logger's records
     sys.unraisablehook = _drop_closed_loop_callbacks(sys.unraisablehook)
+    warnings.filterwarnings("ignore", UNAWAITED_READ, RuntimeWarning)  # the same reads
     try:
         jobs.run(config, workdir, force=_FORCE.value)
     except (CheckpointError, JudgeFailed) as e:

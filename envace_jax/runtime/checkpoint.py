@@ -54,6 +54,7 @@ import gc
 import logging
 import os
 import re
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -275,9 +276,11 @@ class Checkpointer:
                 except _Unreadable as e:
                     problem = str(e)
                     # The reads Orbax dropped unawaited are collected now, under the job's
-                    # unraisable hook (`main`), not in the interpreter's teardown, which prints
-                    # each with a traceback.
-                    gc.collect()
+                    # unraisable hook (`main`), not later, where each prints a traceback or a
+                    # "never awaited" warning: the problem above names them.
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", UNAWAITED_READ, RuntimeWarning)
+                        gc.collect()
             else:
                 problem = (
                     f"unfinished save: {unfinished[s].name} was left behind by a writer that "
@@ -443,6 +446,10 @@ def _free_name(parent: epath.Path, name: str) -> epath.Path:
         suffix += 1
         dest = parent / f"{name}.{suffix}"
     return dest
+
+
+# The warning for an array read Orbax dropped before it started.
+UNAWAITED_READ = "coroutine '_read_array_index_and_device_put' was never awaited"
 
 
 def _short(e: BaseException, limit: int = 300) -> str:

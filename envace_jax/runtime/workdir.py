@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +60,9 @@ def use_compile_cache(root: str) -> None:
     compiling again. Programs that compile in under a second are not kept."""
     jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    # A program the cache cannot keep (a full disk, a workdir made read-only) still runs; the
+    # job's own writes name such a workdir.
+    warnings.filterwarnings("ignore", "Error writing persistent compilation cache", UserWarning)
 
 
 def config_json(config: JobConfig) -> dict[str, Any]:
