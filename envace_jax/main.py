@@ -243,12 +243,12 @@ def _run(config, workdir: str, lock: PidLock) -> None:
     logging.info("workdir %s", workdir)
 
     from envace_jax import jobs  # heavy imports only after the config is known to be good
-    from envace_jax.runtime.workdir import use_compile_cache
-
-    use_compile_cache(workdir)
     from envace_jax.data.readers import TaskFileError
     from envace_jax.rewards.judges import JudgeFailed
     from envace_jax.runtime.checkpoint import UNAWAITED_READ, CheckpointError
+    from envace_jax.runtime.workdir import use_compile_cache
+
+    use_compile_cache(workdir)
 
     # A failed checkpoint write reaches the user once, as CheckpointError (below).
     logging.get_absl_handler().addFilter(_NoOrbaxTracebacks())  # every logger's records
