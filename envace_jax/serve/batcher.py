@@ -102,6 +102,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ROW_BUCKETS = (1, 4, 16, 32)
 _IDLE_ROW = SamplingParams(greedy=True)  # free rows: no truncation work in the sampler
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring's name
 
 
 class Engine:
@@ -183,8 +184,11 @@ class Engine:
         self._batch: Batch | None = None
         self._joining: list[Sequence] = []  # popped from the queue, not yet in a batch
         # batches, admitted, chunks, grown, regrouped, errors, finished_<reason>, decode_programs,
-        # masked_steps (steps under token masks), masks and mask_us (masks computed, host time)
+        # masked_steps (steps under token masks), masks and mask_us (masks computed, host time),
+        # compiled_programs (every program XLA compiled in the process since: resident memory
+        # grows with them, so a soak tells a new program from a leak)
         self.stats = collections.Counter()
+        jax.monitoring.register_event_duration_secs_listener(self._count_compile)
 
     # ------------------------------------------------------------------ public API
     def start(self) -> Engine:
@@ -205,6 +209,7 @@ class Engine:
             self._batch = None
         for seq in leftover:
             self._finish(seq, "cancelled")
+        jax.monitoring.unregister_event_duration_listener(self._count_compile)
 
     def submit(self, seq: Sequence) -> Sequence:
         """Queues a sequence (thread-safe). Its budget must be >= 1 token."""
@@ -217,6 +222,10 @@ class Engine:
         """Asks to stop a sequence (thread-safe); it then ends with finish_reason 'cancelled'."""
         seq.cancelled = True
         self._queue.wake()
+
+    def _count_compile(self, event: str, duration_secs: float, **_) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.stats["compiled_programs"] += 1
 
     @property
     def running(self) -> bool:
