@@ -449,14 +449,16 @@ def _rss_mib(pid: int) -> float:
 @pytest.mark.slow
 def test_soak_memory_levels_off(server, http):
     """32 clients x rounds of mixed requests (chat with tools, streamed completions, each with
-    sampling parameters never used before) until five rounds in a row compile no program: the
-    server's resident memory is level over those rounds. Rounds that compile do grow it (each
-    program's code and buffers stay), and which shapes a round meets depends on how the clients'
-    requests interleave, so on a slower machine the last new program came as late as round 8."""
+    sampling parameters never used before): the server's resident memory grows only in rounds
+    that compile a program. Each program's code and buffers stay, and which shapes a round meets
+    depends on how the clients' requests interleave: on a loaded machine a new prefill or batch
+    move still compiled in round 16 (65 programs in all), its memory flat in between. Requests
+    themselves must leave nothing: over the rounds that compile nothing (at least five), the
+    memory grows by at most 5% of its first round's (measured: 2 and 6 MiB of ~600)."""
     import random
 
     url, proc = server
-    max_rounds, quiet_rounds, clients, rss, compiled = 20, 5, 32, [], []
+    max_rounds, quiet_needed, clients, rss, compiled = 20, 5, 32, [], []
     rng = random.Random(0)
 
     def client(i, r, settings, errors):
@@ -472,8 +474,8 @@ def test_soak_memory_levels_off(server, http):
         except Exception as e:  # reported below
             errors.append(f"round {r} client {i}: {e!r}")
 
-    def quiet() -> bool:  # the last `quiet_rounds` rounds compiled nothing
-        return len(compiled) > quiet_rounds and compiled[-1] == compiled[-quiet_rounds - 1]
+    def quiet() -> list[int]:  # the rounds after the first that compiled nothing
+        return [r for r in range(1, len(compiled)) if compiled[r] == compiled[r - 1]]
 
     for r in range(max_rounds):
         settings = [
@@ -491,11 +493,11 @@ def test_soak_memory_levels_off(server, http):
         assert not errors, errors[:5]
         rss.append(_rss_mib(proc.pid))
         compiled.append(engine_stats(http)["compiled_programs"])
-        if quiet():
+        if len(quiet()) >= quiet_needed:
             break
     print("server RSS per round (MiB):", [round(m, 1) for m in rss])
     print("programs compiled by each round's end:", compiled)
     print("engine:", engine_stats(http))
-    assert quiet(), f"still compiling new programs after {max_rounds} rounds: {compiled}"
-    last = rss[-quiet_rounds:]
-    assert max(last) <= 1.05 * min(last), f"memory still growing: {rss}"
+    assert len(quiet()) >= quiet_needed, f"a new program in almost every round: {compiled}"
+    growth = sum(max(rss[r] - rss[r - 1], 0.0) for r in quiet())
+    assert growth <= 0.05 * rss[0], f"+{growth:.1f} MiB in rounds that compiled nothing: {rss}"
