@@ -120,6 +120,7 @@ def _drop_closed_loop_callbacks(hook):
     reading an unreadable checkpoint, the first array that fails is the error the restore
     names (one warning); the other reads, dropped unawaited, can each be reported with a
     traceback when collected."""
+    from envace_jax.runtime.checkpoint import ORBAX_READ
 
     def unraisable(u):
         frames = traceback.extract_tb(u.exc_traceback) if u.exc_traceback else []
@@ -128,7 +129,7 @@ def _drop_closed_loop_callbacks(hook):
         )
         if closed and frames and frames[-1].name == "_check_closed":
             return
-        if frames and frames[-1].name == "_read_array_index_and_device_put":
+        if frames and frames[-1].name == ORBAX_READ:
             return
         hook(u)
 

@@ -448,8 +448,9 @@ def _free_name(parent: epath.Path, name: str) -> epath.Path:
     return dest
 
 
-# The warning for an array read Orbax dropped before it started.
-UNAWAITED_READ = "coroutine '_read_array_index_and_device_put' was never awaited"
+# Orbax's coroutine that reads one array, and the warning for one it dropped before it started.
+ORBAX_READ = "_read_array_index_and_device_put"
+UNAWAITED_READ = f"coroutine '{ORBAX_READ}' was never awaited"
 
 
 def _short(e: BaseException, limit: int = 300) -> str:

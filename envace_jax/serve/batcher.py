@@ -189,6 +189,7 @@ class Engine:
         # grows with them, so a soak tells a new program from a leak)
         self.stats = collections.Counter()
         jax.monitoring.register_event_duration_secs_listener(self._count_compile)
+        self._counting = True  # until `stop`, which may be called more than once
 
     # ------------------------------------------------------------------ public API
     def start(self) -> Engine:
@@ -209,7 +210,9 @@ class Engine:
             self._batch = None
         for seq in leftover:
             self._finish(seq, "cancelled")
-        jax.monitoring.unregister_event_duration_listener(self._count_compile)
+        if self._counting:
+            jax.monitoring.unregister_event_duration_listener(self._count_compile)
+            self._counting = False
 
     def submit(self, seq: Sequence) -> Sequence:
         """Queues a sequence (thread-safe). Its budget must be >= 1 token."""
