@@ -123,8 +123,10 @@ class Environment(Protocol):
         """A JSON-serialisable snapshot of everything the environment holds, including how
         many calls it has executed (so a test can prove that rehearsal never touched it)."""
 
-    def success(self, final_reply: str) -> bool:
-        """Whether the final state and the final reply meet the task's ground truth."""
+    def success(self, final_reply: str, messages: Sequence[Mapping[str, Any]] = ()) -> bool:
+        """Whether the final state and the final reply meet the task's ground truth. `messages`
+        is the whole episode as chat messages, for a world whose check reads the calls turn by
+        turn (`bfcl_multi_turn`); worlds that check only the final state ignore it."""
 
 
 def observed_values(result: Any) -> list[Any]:

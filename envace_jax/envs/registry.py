@@ -4,6 +4,7 @@ A domain registers a loader of `config.data` (its module is imported only when t
 used):
 
     DOMAINS["demo"] = _demo      # the demo world: generated tasks, an executable environment
+    DOMAINS["bfcl_multi_turn"] = _bfcl_multi_turn  # bfcl-eval's multi-turn entries and backends
     DOMAINS["files"] = _files    # the user's task files, no environment (`envs.task_files`)
 """
 
@@ -31,13 +32,23 @@ def _demo(data=None, **unused) -> Domain:
     )
 
 
+def _bfcl_multi_turn(data=None, tokenizer=None, **unused) -> Domain:
+    from envace_jax.envs import bfcl_multi_turn
+
+    return bfcl_multi_turn.domain(data, tokenizer)
+
+
 def _files(data, **kwargs) -> Domain:
     from envace_jax.envs.task_files import files_domain
 
     return files_domain(data, **kwargs)
 
 
-DOMAINS: dict[str, Callable[..., Domain]] = {"demo": _demo, "files": _files}
+DOMAINS: dict[str, Callable[..., Domain]] = {
+    "demo": _demo,
+    "bfcl_multi_turn": _bfcl_multi_turn,
+    "files": _files,
+}
 
 
 def domain(name: str, data=None, **kwargs) -> Domain:

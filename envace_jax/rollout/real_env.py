@@ -146,7 +146,7 @@ def _judged(tokenizer, tasks, out, envs, observations, call_errors, invalid_call
         # A call error (unknown tool, arguments off the schema) fails the episode, as the
         # checklist's semantics end it there; domain errors (not_found, ...) do not.
         ok = ep.status != Status.INVALID and ep.final_reply is not None and not invalid_calls[b]
-        success = bool(ok and envs[b].success(ep.final_reply))
+        success = bool(ok and envs[b].success(ep.final_reply, ep.messages))
         results.append(
             RealEpisode(
                 ep, success, judge(task, ep.messages).score, call_errors[b], envs[b].state()

@@ -121,7 +121,7 @@ class DemoEnv:
             "refused": [{"name": n, "arguments": a} for n, a in self._refused],
         }
 
-    def success(self, final_reply: str) -> bool:
+    def success(self, final_reply: str, messages=()) -> bool:
         world = self._require_reset()
         if world != self._gt["final_state"] or self._refused:
             return False

@@ -1,0 +1,205 @@
+"""BFCL-v4 multi-turn as a training domain (`data.env = 'bfcl_multi_turn'`): the tasks,
+executable backends and checker of the `bfcl-eval` package, none of it written here.
+
+A task is one entry of `multi_turn_base` (200 entries: file system, messaging, tickets, trading,
+travel, posting, vehicle control and math backends, 1-7 user turns each):
+
+* the opening chat is the entry's first user message; each later user turn is replayed after
+  the agent's final reply to the previous one (`Task.reference_messages`);
+* the tools are the entry's function docs, in JSON schema (the package's `dict`, `float`,
+  `tuple` and `any` types mapped to `object`, `number`, `array` and no constraint);
+* the reference conversation executes the ground truth in the backends, one call per
+  assistant step, and closes each turn with "Done.": the warm start imitates it, and the
+  grounded view's logged (call, response) pairs are what the backends returned;
+* the checklist (the rule judge's reward for rehearsed episodes) asks, per turn, for each
+  ground-truth call with exactly its arguments, and for a reply in a turn with none;
+* success is the package's own checker (`env.BfclEnv.success`).
+
+Splits follow the entry's number: test when it is 0 mod 5, validation when 1 mod 5, train
+otherwise (120 / 40 / 40), so no evaluation task is ever trained on. `generate_tasks(seed, n,
+split)` gives the first `n` of the split in entry order; the seed does not change them (the RL
+stream's seed shuffles what it draws).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from envace_jax.data.tasks import Task
+from envace_jax.envs.base import Domain, result_text
+from envace_jax.envs.bfcl_multi_turn.env import BfclEnv, response, worker
+
+CATEGORY = "multi_turn_base"
+SPLITS = ("test", "validation", "train", "train", "train")  # by entry number mod 5
+FINAL_REPLY = "Done."
+FOCUS = {"call": "assistant.tool_calls", "reply_states": "assistant.content.user_visible_reply"}
+_TYPES = {"dict": "object", "float": "number", "tuple": "array"}
+_LOADED: dict[str, list[Task]] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def split_of(entry_id: str) -> str:
+    """The split of a package entry id such as `multi_turn_base_17`."""
+    return SPLITS[int(entry_id.rsplit("_", 1)[1]) % len(SPLITS)]
+
+
+def json_schema(doc: Any) -> Any:
+    """A function doc's parameter schema in JSON schema (see the module docstring)."""
+    if isinstance(doc, list):
+        return [json_schema(d) for d in doc]
+    if not isinstance(doc, Mapping):
+        return doc
+    out = {}
+    for key, value in doc.items():
+        if key == "type" and isinstance(value, str):
+            if value != "any":
+                out[key] = _TYPES.get(value, value)
+        elif key == "properties" and isinstance(value, Mapping):
+            out[key] = {name: json_schema(p) for name, p in value.items()}
+        else:
+            out[key] = json_schema(value)
+    return out
+
+
+def tool_of(doc: Mapping[str, Any]) -> dict:
+    """An OpenAI-format tool from a package function doc (its `response` doc left out)."""
+    function = {"name": doc["name"], "description": doc.get("description", "")}
+    function["parameters"] = json_schema(doc.get("parameters") or {"type": "dict"})
+    return {"type": "function", "function": function}
+
+
+def _call_message(call: Mapping[str, Any]) -> dict:
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": dict(call)}],
+    }
+
+
+def reference_conversation(entry: Mapping[str, Any]) -> list[dict]:
+    """Each user turn, then its ground-truth calls one per step with the backends' responses,
+    then the closing reply."""
+    messages: list[dict] = []
+    turns = zip(entry["question"], entry["ground_truth"], entry["gold_responses"], strict=True)
+    for question, calls, responses in turns:
+        messages += [dict(m) for m in question]
+        for call, text in zip(calls, responses, strict=True):
+            tool = {"role": "tool", "content": result_text(response(text))}
+            messages += [_call_message(call), tool]
+        messages.append({"role": "assistant", "content": FINAL_REPLY})
+    return messages
+
+
+def _item(question: str, condition: str, weight: float, rule: dict) -> dict:
+    return {
+        "question": question,
+        "focus_on": FOCUS[rule["kind"]],
+        "pass_condition": condition,
+        "weight": weight,
+        "rule": rule,
+    }
+
+
+def checklist(entry: Mapping[str, Any]) -> list[list[dict]]:
+    """Per turn: each ground-truth call, weighted equally; a turn without calls asks for a
+    reply."""
+    turns = []
+    for calls in entry["ground_truth"]:
+        if not calls:
+            rule = {"kind": "reply_states", "values": []}
+            turns.append([_item("Did the assistant reply?", "A final reply is given.", 1.0, rule)])
+            continue
+        items = []
+        for call in calls:
+            text = f"{call['name']}({json.dumps(call['arguments'])})"
+            rule = {"kind": "call", "tool": call["name"], "args": call["arguments"]}
+            condition = f"A tool call {text} with exactly these arguments is made."
+            items.append(_item(f"Did the assistant call {text}?", condition, 0.0, rule))
+        for item, weight in zip(items, _weights(len(items)), strict=True):
+            item["weight"] = weight
+        turns.append(items)
+    return turns
+
+
+def _weights(n: int) -> list[float]:
+    """n weights that sum to 1 exactly (the last takes the rounding)."""
+    weights = [1.0 / n] * (n - 1)
+    return weights + [1.0 - sum(weights)]
+
+
+def task_of(entry: Mapping[str, Any]) -> Task:
+    """The project's task record of one loaded package entry."""
+    reference = reference_conversation(entry)
+    return Task.from_dict(
+        {
+            "task_id": entry["id"],
+            "messages": [dict(m) for m in entry["question"][0]],
+            "tools": [tool_of(doc) for doc in entry["function"]],
+            "reference_messages": reference,
+            "checklist": checklist(entry),
+            "ground_truth": {"calls": entry["ground_truth"]},
+            "metadata": {
+                "data_source": f"bfcl_{CATEGORY}",
+                "bfcl_id": entry["id"],
+                "involved_classes": list(entry["involved_classes"]),
+                "split": split_of(entry["id"]),
+            },
+        }
+    )
+
+
+def all_tasks() -> list[Task]:
+    """Every entry of the category as a task, in entry order (loaded from the package once per
+    process)."""
+    with _LOAD_LOCK:
+        if CATEGORY not in _LOADED:
+            entries = worker().request("load", category=CATEGORY)
+            entries.sort(key=lambda e: int(e["id"].rsplit("_", 1)[1]))
+            _LOADED[CATEGORY] = [task_of(e) for e in entries]
+        return _LOADED[CATEGORY]
+
+
+def generate_tasks(seed: int, n: int, split: str) -> list[Task]:
+    """The first `n` tasks of `split` (see the module docstring)."""
+    del seed
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {sorted(set(SPLITS))}, got {split!r}")
+    return [t for t in all_tasks() if t.metadata["split"] == split][:n]
+
+
+def domain(data=None, tokenizer=None, **unused) -> Domain:
+    """The domain; with `data.max_prompt_tokens` (and a tokenizer to measure with) a split
+    keeps only the tasks whose opening prompt, tools rendered, is no longer."""
+    from envace_jax.envs.task_files import reference_demonstrations, response_tools
+
+    tasks = generate_tasks
+    limit = getattr(data, "max_prompt_tokens", 0)
+    if limit and tokenizer is not None:
+        from envace_jax.text.role_pieces import prompt_ids
+
+        def tasks(seed: int, n: int, split: str) -> list[Task]:
+            every = generate_tasks(seed, len(SPLITS) * len(all_tasks()), split)
+            fits = [
+                t
+                for t in every
+                if len(prompt_ids(tokenizer, t.messages, t.template_tools)) <= limit
+            ]
+            return fits[:n]
+
+    return Domain(
+        "bfcl_multi_turn",
+        tasks,
+        BfclEnv,
+        reference_demonstrations,
+        response_tools,
+        demonstration_messages=_reference_messages,
+    )
+
+
+def _reference_messages(tasks: Sequence[Task], *args, **kwargs) -> list[list[dict]]:
+    """The conversation each warm-start demonstration encodes: the reference's."""
+    del args, kwargs
+    return [[dict(m) for m in t.reference_messages] for t in tasks]
