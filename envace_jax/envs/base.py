@@ -101,6 +101,26 @@ def effects_key(calls: Sequence[tuple[str, Any]]) -> list[str]:
     return sorted(canonical({"name": name, "arguments": args}) for name, args in calls)
 
 
+def call_items(calls: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """Checklist items (rule judge, kind ``call``) asking for each of `calls` ({name,
+    arguments}) with exactly its arguments, weighted equally (summing to 1 exactly)."""
+    weights = [1.0 / len(calls)] * (len(calls) - 1)
+    weights.append(1.0 - sum(weights))
+    items = []
+    for call, weight in zip(calls, weights, strict=True):
+        text = f"{call['name']}({json.dumps(call['arguments'])})"
+        items.append(
+            {
+                "question": f"Did the assistant call {text}?",
+                "focus_on": "assistant.tool_calls",
+                "pass_condition": f"A tool call {text} with exactly these arguments is made.",
+                "weight": weight,
+                "rule": {"kind": "call", "tool": call["name"], "args": call["arguments"]},
+            }
+        )
+    return items
+
+
 class CallLike(Protocol):
     """What `step` reads from a tool call (`envace_jax.text` ToolCall has this shape)."""
 

