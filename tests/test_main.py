@@ -234,3 +234,15 @@ def test_the_unawaited_reads_of_an_unreadable_checkpoint_are_not_reported(tmp_pa
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "['a real problem']"
+
+
+@pytest.mark.parametrize("name", ["bfcl_multi_turn", "tau2", "checklist", "demo"])
+def test_every_variant_of_a_config_file_validates(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    variants = getattr(module, "VARIANTS", {"": None})
+    for variant in variants:
+        validate(module.get_config(variant or None))
