@@ -12,7 +12,7 @@ Usage:
       # the demo in the shared rehearsal view (the paper's formulation)
 """
 
-from envace_jax.configuration import base_config
+from envace_jax.configuration import base_config, pick_variant
 
 
 def _from_checkpoint(config, sft_steps, sft_lr, sft_warmup, rl_lr, rl_warmup) -> None:
@@ -203,8 +203,4 @@ VARIANTS = {
 
 
 def get_config(variant: str | None = None):
-    make = VARIANTS.get(variant or "")
-    if make is None:
-        known = ", ".join(repr(name) for name in VARIANTS if name)
-        raise ValueError(f"configs/demo.py: unknown variant {variant!r}; known: {known}")
-    return make()
+    return pick_variant(VARIANTS, variant, "configs/demo.py")

@@ -345,6 +345,46 @@ def base_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(knobs.as_dict(JobConfig()))
 
 
+def world_smoke(env: str, train_tasks: int, eval_tasks: int) -> ml_collections.ConfigDict:
+    """A minutes-long run of the whole pipeline in world `env` (`data.env`) with a tiny random
+    policy and the demo tokenizer: two warm-start steps on the world's demonstrations, one
+    grounded EnvACE step, and evaluation in the real world at the warm start and at the end.
+    It shows the plumbing, not learning."""
+    config = base_config()
+    config.data.env = env
+    config.model.preset = "tiny-qwen3"
+    config.rollout.rehearsal_view = "grounded"
+    config.data.train_tasks = train_tasks
+    config.data.eval_tasks = eval_tasks
+    config.data.failure_demos = 0.0  # the demo world's augmentation
+    config.schedule.sft_steps = 2
+    config.schedule.sft_batch_size = 2
+    config.sft_optim.warmup_steps = 1
+    config.sft_optim.decay_steps = 1
+    config.schedule.rl_steps = 1
+    config.schedule.eval_every = 1
+    config.schedule.checkpoint_every = 1
+    config.schedule.log_every = 1
+    config.rollout.group_size = 2
+    config.rollout.tasks_per_step = 2
+    config.rollout.max_new_tokens = 48
+    config.rollout.max_message_tokens = 24
+    config.eval.max_new_tokens = 48
+    config.eval.fidelity_tasks = 1
+    config.eval.probe_tasks = eval_tasks
+    return config
+
+
+def pick_variant(variants: dict, variant: str | None, where: str, default: str = ""):
+    """`variants[variant or default]()`: a config file's `get_config`, which names the file and
+    the variants it knows when `variant` is not one of them."""
+    make = variants.get(variant or default)
+    if make is None:
+        known = ", ".join(repr(name) for name in variants if name)
+        raise ValueError(f"{where}: unknown variant {variant!r}; known: {known}")
+    return make()
+
+
 def key_problem(path: str) -> str | None:
     """Why `config.<path>` is not a key of the config tree, naming the keys of the section it
     falls in; None if it is one."""

@@ -103,3 +103,27 @@ def fake_devices_env(devices: int) -> dict[str, str]:
         JAX_PLATFORMS="cpu",
         PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
+
+
+def world_smoke_summary(config: str, workdir) -> dict:
+    """Runs `python -m envace_jax.main --config configs/<config>` as a user would and returns
+    its summary.json, after checking that RL made no call to the world."""
+    import json
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "envace_jax.main", "--config", f"configs/{config}"]
+        + ["--workdir", str(workdir)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(open(os.path.join(workdir, "summary.json")).read())
+    assert summary["mode"] == "envace" and summary["final"]["env_calls_rl"] == 0
+    for part in ("warm_start", "eval_warm_start", "rl"):
+        assert summary["seconds"][part] > 0, part
+    return summary

@@ -7,9 +7,7 @@ episodes of every entry, the logged responses against the backend classes called
 backend that raises, and the smoke job."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +16,7 @@ from envace_jax.envs import bfcl_multi_turn as bmt
 from envace_jax.envs.base import error_code
 from envace_jax.envs.bfcl_multi_turn.env import EXECUTION_ERROR, response, result_turns
 from envace_jax.text.tool_calls import parse_tool_calls
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import world_smoke_summary
 
 
 def test_splits_follow_the_entry_number():
@@ -257,19 +254,5 @@ def test_splits_never_share_an_entry(tasks):
 
 @pytest.mark.slow
 def test_smoke_job_runs_warm_start_envace_and_evaluation(tmp_path):
-    workdir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "envace_jax.main", "--config", "configs/bfcl_multi_turn.py:smoke"]
-    proc = subprocess.run(
-        [*cmd, "--workdir", str(workdir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["mode"] == "envace" and summary["tasks"] == 2
-    assert summary["final"]["env_calls_rl"] == 0
-    for part in ("warm_start", "eval_warm_start", "rl", "eval_final"):
-        assert summary["seconds"][part] > 0, part
+    summary = world_smoke_summary("bfcl_multi_turn.py:smoke", tmp_path / "run")
+    assert summary["tasks"] == 2

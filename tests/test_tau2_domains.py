@@ -8,9 +8,7 @@ task), the logged responses against tau2's environment called directly, a refuse
 splits, and the smoke job."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +17,8 @@ from envace_jax.envs import tau2_solo
 from envace_jax.envs.base import error_code
 from envace_jax.envs.tau2_package import find_tau2, tau2_venv, venv_environ
 from envace_jax.envs.tau2_solo.env import TOOL_ERROR, response
+from tests.conftest import world_smoke_summary
 
-REPO = Path(__file__).resolve().parent.parent
 TAU2 = find_tau2(tau2_venv())
 needs_tau2 = pytest.mark.skipif(TAU2 is None, reason="make tau2")
 
@@ -236,19 +234,5 @@ def test_splits_never_share_a_task(tasks):
 @pytest.mark.slow
 @needs_tau2
 def test_smoke_job_runs_warm_start_envace_and_evaluation(tmp_path):
-    workdir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "envace_jax.main", "--config", "configs/tau2.py:smoke"]
-    proc = subprocess.run(
-        [*cmd, "--workdir", str(workdir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["mode"] == "envace" and summary["tasks"] == 1
-    assert summary["final"]["env_calls_rl"] == 0
-    for part in ("warm_start", "eval_warm_start", "rl"):
-        assert summary["seconds"][part] > 0, part
+    summary = world_smoke_summary("tau2.py:smoke", tmp_path / "run")
+    assert summary["tasks"] == 1

@@ -2,9 +2,10 @@
 tau2-bench) pin their own dependencies, so their worlds run in a worker process of their venv,
 and our side talks to it through pipes, one JSON request and one JSON answer per line.
 
-The worker script answers `{"ok": value}` or `{"error": "..."}`; its stderr (the package's own
-output) goes to a log file, named in every error. One worker per (script, Python process) serves
-every world of that kind (`shared`); a world is a handle, an integer id, on its side. Worlds
+The venv's python runs `worker_loop.py` on a world module (`answer(request)`); the answers are
+`{"ok": value}` or `{"error": "..."}`, and its stderr (the package's own output) goes to a log
+file, named in every error. One worker per (world module, Python process) serves every world of
+that kind (`shared`); a world is a handle, an integer id, on its side. Worlds
 that are garbage-collected are queued and closed before the next request (a finalizer can run
 in the middle of a request, so it never talks to the pipe itself).
 """
@@ -24,6 +25,8 @@ from typing import Any
 from envace_jax.envs.base import BAD_ARGS, UNKNOWN_TOOL, ToolResult, tool_error
 from envace_jax.text.tool_calls import tool_parameter_schemas, validate_schema
 
+LOOP = Path(__file__).with_name("worker_loop.py")
+
 
 class WorkerError(RuntimeError):
     """A worker failed a request or died (its log is named)."""
@@ -32,11 +35,11 @@ class WorkerError(RuntimeError):
 class Worker:
     """One worker process: `request(op, **fields)` -> its answer, under a lock."""
 
-    def __init__(self, name: str, python: Path, script: Path, cwd: Path, env: dict, log: Path):
+    def __init__(self, name: str, python: Path, world: Path, cwd: Path, env: dict, log: Path):
         self.name, self.log_path = name, log
         self._log = open(log, "a")
         self._proc = subprocess.Popen(
-            [str(python), str(script)],
+            [str(python), str(LOOP), str(world)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

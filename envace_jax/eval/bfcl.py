@@ -43,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 
+from envace_jax.envs.bfcl_multi_turn.env import WORKER as BFCL_WORLD
 from envace_jax.envs.bfcl_package import BFCL_VERSION, default_venv, ensure_venv, venv_environ
 from envace_jax.eval.bfcl_scores import (
     DISPLAY_NAME,
@@ -221,7 +222,7 @@ def write_gold_results(python: Path, root: Path, ids: dict[str, list[str]]) -> i
 
     (root / "extract_gold.py").write_text(bfcl_gold.EXTRACT)
     (root / "gold_ids.json").write_text(json.dumps(ids))
-    args = ["extract_gold.py", "gold_ids.json", "gold.json"]
+    args = ["extract_gold.py", "gold_ids.json", "gold.json", str(BFCL_WORLD)]
     _run_in_venv(python, root, args, "gold.log")
     extracted = json.loads((root / "gold.json").read_text())
     return bfcl_gold.write_results(extracted, root / "result" / MODEL_ID)

@@ -8,7 +8,8 @@ loaders, each selected entry's ground truth as plain calls (name + arguments):
 * irrelevance: no call; live relevance: one call of the entry's first function with its
   required parameters (that category checks only that a call was made);
 * multi-turn: each turn's calls, parsed from the Python-call strings of the ground truth
-  (positional arguments named from the function's documented parameter order);
+  (positional arguments named from the function's documented parameter order) by the
+  `bfcl_multi_turn` world's own reader (`envs/bfcl_multi_turn/worker.py`);
 * memory: the expected answer as the final reply.
 
 `write_results` then renders these exactly as our policy's replies look (`<tool_call>` blocks
@@ -25,7 +26,7 @@ from pathlib import Path
 from envace_jax.text.tool_calls import format_tool_calls
 
 EXTRACT = r'''
-import ast, json, sys
+import importlib.util, json, sys
 from bfcl_eval.utils import (
     load_dataset_entry, load_ground_truth_entry, get_directory_structure_by_category,
     is_relevance_or_irrelevance, is_multi_turn, is_memory,
@@ -128,15 +129,6 @@ def ast_calls(truth, entry, cat):
     return calls
 
 
-def python_call(text, docs):
-    node = ast.parse(text, mode="eval").body
-    name = ast.unparse(node.func)
-    order = list(docs.get(name, {}).get("parameters", {}).get("properties", {}))
-    args = {order[i]: ast.literal_eval(a) for i, a in enumerate(node.args)}
-    args.update({kw.arg: ast.literal_eval(kw.value) for kw in node.keywords})
-    return {"name": name, "arguments": args}
-
-
 def relevance_call(entry):
     fn = entry["function"][0]
     props = fn.get("parameters", {}).get("properties", {})
@@ -145,6 +137,12 @@ def relevance_call(entry):
             for p in fn.get("parameters", {}).get("required", [])}
     return [{"name": fn["name"], "arguments": args}]
 
+
+# Multi-turn ground truth is read as the bfcl_multi_turn world reads it (its worker module).
+spec = importlib.util.spec_from_file_location("bfcl_world", sys.argv[3])
+world = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(world)
+python_call = world.python_call
 
 ids = json.load(open(sys.argv[1]))
 out = {}

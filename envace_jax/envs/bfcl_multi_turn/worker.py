@@ -1,12 +1,7 @@
 """The bfcl-eval side of the `bfcl_multi_turn` domain: a process in bfcl-eval's own virtual
 environment (`envs.bfcl_package`) that loads the package's multi-turn entries, executes calls in
 its backends and judges episodes with its own checker. It imports only the standard library and
-`bfcl_eval`, and is run as a script:
-
-    <bfcl venv>/bin/python worker.py
-
-It reads one JSON request per line on stdin and writes one JSON answer per line on stdout
-(`{"ok": ...}` or `{"error": "..."}`); anything the package prints goes to stderr.
+`bfcl_eval`; `envs/worker_loop.py` serves its `answer`, one JSON request per line:
 
     {"op": "load", "category": C}              -> every entry of C: id, question, function,
                                                   initial_config, involved_classes,
@@ -28,9 +23,7 @@ its instances are dropped when it is reset, closed or done, so no two ever share
 
 import ast
 import copy
-import json
 import re
-import sys
 
 from bfcl_eval.eval_checker.eval_runner import _evaluate_single_multi_turn_entry
 from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
@@ -141,19 +134,3 @@ def answer(req):
             forget(*old)
         return None
     raise ValueError(f"unknown op {op!r}")
-
-
-def main():
-    out = sys.stdout
-    sys.stdout = sys.stderr  # the package prints; only answers go to the pipe
-    for line in sys.stdin:
-        try:
-            reply = {"ok": answer(json.loads(line))}
-        except Exception as exc:  # the caller turns it into an error it can name
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
-
-
-if __name__ == "__main__":
-    main()

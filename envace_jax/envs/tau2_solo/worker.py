@@ -1,7 +1,7 @@
 """The tau2-bench side of the `tau2_mock` and `tau2_telecom` domains: a process in the venv of
 `make tau2` that loads a domain's solo-mode tasks, executes calls in its environments and scores
-episodes with its own evaluator. It imports only the standard library and `tau2`, and is run as
-a script (`envs.worker_process`: one JSON request, one JSON answer per line on stdin/stdout).
+episodes with its own evaluator. It imports only the standard library and `tau2`;
+`envs/worker_loop.py` serves its `answer`, one JSON request per line:
 
     {"op": "load", "domain": D}               -> every task tau2's solo agent can run (a
                                                  ticket and expected actions): id, ticket, the
@@ -25,8 +25,6 @@ scores that record with `evaluate_simulation` (evaluation type ALL, solo mode), 
 does.
 """
 
-import json
-import sys
 import uuid
 
 from tau2.agent.llm_agent import LLMSoloAgent
@@ -136,19 +134,3 @@ def answer(req):
         WORLDS.pop(req["env"], None)
         return None
     raise ValueError(f"unknown op {op!r}")
-
-
-def main():
-    out = sys.stdout
-    sys.stdout = sys.stderr  # the package prints and logs; only answers go to the pipe
-    for line in sys.stdin:
-        try:
-            reply = {"ok": answer(json.loads(line))}
-        except Exception as exc:  # the caller turns it into an error it can name
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
-
-
-if __name__ == "__main__":
-    main()
