@@ -40,10 +40,10 @@ def _bfcl_multi_turn(data=None, tokenizer=None, **unused) -> Domain:
 
 
 def _tau2(name: str) -> Callable[..., Domain]:
-    def load(data=None, **unused) -> Domain:
+    def load(data=None, tokenizer=None, **unused) -> Domain:
         from envace_jax.envs import tau2_solo
 
-        return tau2_solo.domain(name)
+        return tau2_solo.domain(name, data, tokenizer)
 
     return load
 

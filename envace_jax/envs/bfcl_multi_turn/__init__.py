@@ -23,24 +23,20 @@ stream's seed shuffles what it draws).
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from envace_jax.data.tasks import Task
-from envace_jax.envs.base import Domain, call_items, result_text
+from envace_jax.envs.base import Domain, call_items
 from envace_jax.envs.bfcl_multi_turn.env import BfclEnv, response, worker
+from envace_jax.envs.package_tasks import SPLITS, Loaded, executed_turn, package_domain
 
 CATEGORY = "multi_turn_base"
-SPLITS = ("test", "validation", "train", "train", "train")  # by entry number mod 5
-FINAL_REPLY = "Done."
 _TYPES = {"dict": "object", "float": "number", "tuple": "array"}
-_LOADED: dict[str, list[Task]] = {}
-_LOAD_LOCK = threading.Lock()
 
 
 def split_of(entry_id: str) -> str:
-    """The split of a package entry id such as `multi_turn_base_17`."""
+    """The split of a package entry id such as `multi_turn_base_17` (its number mod 5)."""
     return SPLITS[int(entry_id.rsplit("_", 1)[1]) % len(SPLITS)]
 
 
@@ -69,25 +65,14 @@ def tool_of(doc: Mapping[str, Any]) -> dict:
     return {"type": "function", "function": function}
 
 
-def _call_message(call: Mapping[str, Any]) -> dict:
-    return {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [{"type": "function", "function": dict(call)}],
-    }
-
-
 def reference_conversation(entry: Mapping[str, Any]) -> list[dict]:
     """Each user turn, then its ground-truth calls one per step with the backends' responses,
     then the closing reply."""
     messages: list[dict] = []
     turns = zip(entry["question"], entry["ground_truth"], entry["gold_responses"], strict=True)
-    for question, calls, responses in turns:
+    for question, calls, texts in turns:
         messages += [dict(m) for m in question]
-        for call, text in zip(calls, responses, strict=True):
-            tool = {"role": "tool", "content": result_text(response(text))}
-            messages += [_call_message(call), tool]
-        messages.append({"role": "assistant", "content": FINAL_REPLY})
+        messages += executed_turn(calls, [response(t) for t in texts])
     return messages
 
 
@@ -125,55 +110,21 @@ def task_of(entry: Mapping[str, Any]) -> Task:
     )
 
 
-def all_tasks() -> list[Task]:
-    """Every entry of the category as a task, in entry order (loaded from the package once per
-    process)."""
-    with _LOAD_LOCK:
-        if CATEGORY not in _LOADED:
-            entries = worker().request("load", category=CATEGORY)
-            entries.sort(key=lambda e: int(e["id"].rsplit("_", 1)[1]))
-            _LOADED[CATEGORY] = [task_of(e) for e in entries]
-        return _LOADED[CATEGORY]
+def _load() -> list[Task]:
+    entries = worker().request("load", category=CATEGORY)
+    entries.sort(key=lambda e: int(e["id"].rsplit("_", 1)[1]))
+    return [task_of(e) for e in entries]
+
+
+all_tasks = Loaded(_load)  # every entry as a task, in entry order, loaded once per process
 
 
 def generate_tasks(seed: int, n: int, split: str) -> list[Task]:
     """The first `n` tasks of `split` (see the module docstring)."""
-    del seed
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {sorted(set(SPLITS))}, got {split!r}")
-    return [t for t in all_tasks() if t.metadata["split"] == split][:n]
+    return domain().generate_tasks(seed, n, split)
 
 
 def domain(data=None, tokenizer=None, **unused) -> Domain:
-    """The domain; with `data.max_prompt_tokens` (and a tokenizer to measure with) a split
-    keeps only the tasks whose opening prompt, tools rendered, is no longer."""
-    from envace_jax.envs.task_files import reference_demonstrations, response_tools
-
-    tasks = generate_tasks
-    limit = getattr(data, "max_prompt_tokens", 0)
-    if limit and tokenizer is not None:
-        from envace_jax.text.role_pieces import prompt_ids
-
-        def tasks(seed: int, n: int, split: str) -> list[Task]:
-            every = generate_tasks(seed, len(SPLITS) * len(all_tasks()), split)
-            fits = [
-                t
-                for t in every
-                if len(prompt_ids(tokenizer, t.messages, t.template_tools)) <= limit
-            ]
-            return fits[:n]
-
-    return Domain(
-        "bfcl_multi_turn",
-        tasks,
-        BfclEnv,
-        reference_demonstrations,
-        response_tools,
-        demonstration_messages=_reference_messages,
-    )
-
-
-def _reference_messages(tasks: Sequence[Task], *args, **kwargs) -> list[list[dict]]:
-    """The conversation each warm-start demonstration encodes: the reference's."""
-    del args, kwargs
-    return [[dict(m) for m in t.reference_messages] for t in tasks]
+    """The domain; `data.max_prompt_tokens` keeps the tasks whose prompt fits (measured with
+    `tokenizer`)."""
+    return package_domain("bfcl_multi_turn", all_tasks, BfclEnv, data, tokenizer)

@@ -24,17 +24,16 @@ takes test, validation and train by position mod 5, as `bfcl_multi_turn` does.
 
 from __future__ import annotations
 
-import threading
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from envace_jax.data.tasks import Task
-from envace_jax.envs.base import Domain, call_items, result_text
+from envace_jax.envs.base import Domain, call_items
+from envace_jax.envs.package_tasks import SPLITS, Loaded, executed_turn, package_domain
 from envace_jax.envs.tau2_solo.env import Tau2Env, response, worker
 
 DOMAINS = ("mock", "telecom")
-SPLITS = ("test", "validation", "train", "train", "train")  # by position, without a package split
-FINAL_REPLY = "Done."
 INSTRUCTIONS = """\
 You are a customer service agent that helps the user according to the <policy> provided below.
 You will be provided with a ticket that contains the user's request.
@@ -45,8 +44,6 @@ Stop when you consider that you have solved the ticket: reply with a short messa
 call.
 
 Always follow the policy. Always make sure you generate valid JSON only."""
-_LOADED: dict[str, list[Task]] = {}
-_LOCK = threading.Lock()
 
 
 def system_prompt(policy: str) -> str:
@@ -70,12 +67,8 @@ def task_of(domain: str, entry: Mapping[str, Any], split: str) -> Task:
         {"role": "system", "content": system_prompt(entry["policy"])},
         {"role": "user", "content": f"<ticket>\n{entry['ticket']}\n</ticket>"},
     ]
-    reference = list(messages)
-    for action, answer in zip(entry["actions"], entry["responses"], strict=True):
-        call = {"type": "function", "function": dict(action)}
-        reference.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        reference.append({"role": "tool", "content": result_text(response(answer))})
-    reference.append({"role": "assistant", "content": FINAL_REPLY})
+    answers = [response(a) for a in entry["responses"]]
+    reference = messages + executed_turn(entry["actions"], answers)
     return Task.from_dict(
         {
             "task_id": f"tau2-{domain}-{entry['id']}",
@@ -93,39 +86,26 @@ def task_of(domain: str, entry: Mapping[str, Any], split: str) -> Task:
     )
 
 
+def _load(domain: str) -> list[Task]:
+    entries = worker().request("load", domain=domain)
+    entries = sorted((e for e in entries if e["gold_reward"] == 1.0), key=lambda e: e["id"])
+    splits = assign_splits(entries)
+    return [task_of(domain, e, splits[e["id"]]) for e in entries]
+
+
+_LOADED = {name: Loaded(functools.partial(_load, name)) for name in DOMAINS}
+
+
 def all_tasks(domain: str) -> list[Task]:
     """Every solvable solo task of a tau2 domain, in id order (loaded once per process)."""
     if domain not in DOMAINS:
         raise ValueError(f"tau2 domain must be one of {DOMAINS}, got {domain!r}")
-    with _LOCK:
-        if domain not in _LOADED:
-            entries = worker().request("load", domain=domain)
-            entries = sorted((e for e in entries if e["gold_reward"] == 1.0), key=lambda e: e["id"])
-            splits = assign_splits(entries)
-            _LOADED[domain] = [task_of(domain, e, splits[e["id"]]) for e in entries]
-        return _LOADED[domain]
+    return _LOADED[domain]()
 
 
-def domain(name: str) -> Domain:
-    """The domain `tau2_<name>`."""
-    from envace_jax.envs.task_files import reference_demonstrations, response_tools
-
-    def generate_tasks(seed: int, n: int, split: str) -> list[Task]:
-        """The first `n` tasks of `split`; the seed does not change them."""
-        del seed
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {sorted(set(SPLITS))}, got {split!r}")
-        return [t for t in all_tasks(name) if t.metadata["split"] == split][:n]
-
-    def demonstration_messages(tasks: Sequence[Task], *args, **kwargs) -> list[list[dict]]:
-        del args, kwargs
-        return [[dict(m) for m in t.reference_messages] for t in tasks]
-
-    return Domain(
-        f"tau2_{name}",
-        generate_tasks,
-        Tau2Env,
-        reference_demonstrations,
-        response_tools,
-        demonstration_messages=demonstration_messages,
+def domain(name: str, data=None, tokenizer=None) -> Domain:
+    """The domain `tau2_<name>`; `data.max_prompt_tokens` keeps the tasks whose prompt fits
+    (measured with `tokenizer`)."""
+    return package_domain(
+        f"tau2_{name}", functools.partial(all_tasks, name), Tau2Env, data, tokenizer
     )
