@@ -98,7 +98,7 @@ class DataSection(Section):
     # Skip (and report) invalid task records instead of stopping at them.
     skip_invalid: bool = knob(False, BOOL)
     # Drop tasks whose opening prompt, tools rendered, is longer (0 = keep all; the reference
-    # keeps 3,500 tokens). Domains 'files' and 'bfcl_multi_turn'.
+    # keeps 3,500 tokens). Domains 'files', 'bfcl_multi_turn' and 'tau2_*'.
     max_prompt_tokens: int = knob(0, integer(0))
     # Where every prompt carries test-time rehearsal's memory ('Rehearsal memory: none' when
     # there is none): 'system' (end of the system turn), 'user' (end of the instruction) or
