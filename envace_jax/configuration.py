@@ -154,8 +154,9 @@ class RolloutSection(Section):
     rehearsal_view: str = knob("shared", one_of(*modes.VIEWS))
     # Mode 'corrupted_world': how the copy of the world RL acts in is wrong ('redrawn': hidden
     # state redrawn from its distribution over tasks; 'optimist': no change is ever refused;
-    # 'guesser': both; 'blind': every task's state redrawn, the shown state included) and the
-    # share of episodes it is wrong in (0 = the real world).
+    # 'guesser': both; 'blind': every task's state redrawn, the shown state included; 'liar':
+    # every task's state mapped to a fixed wrong one) and the share of episodes it is wrong in
+    # (0 = the real world).
     corruption: str = knob("redrawn", one_of(*CORRUPTIONS))
     corruption_rate: float = knob(1.0, number(0.0, 1.0))
 

@@ -9,7 +9,7 @@ import random
 from envace_jax.envs import error_code
 from envace_jax.envs.base import CORRUPTIONS
 from envace_jax.envs.demo import STATE_CHANGING, TOOL_NAMES, DemoEnv, generate_tasks
-from envace_jax.envs.demo.corrupt import CorruptedEnv, corrupted_envs, redraw
+from envace_jax.envs.demo.corrupt import CorruptedEnv, corrupted_envs, lie, redraw
 from envace_jax.envs.registry import domain
 
 TASKS = generate_tasks(2, 300, "train")
@@ -173,3 +173,36 @@ def test_blind_redraws_visible_tasks_too():
             visible += 1
             changed += env.state() != real.state()
     assert changed > 0.8 * visible
+
+
+def test_liar_shows_a_wrong_status_in_every_task_and_keeps_its_own_rules():
+    """A liar's lookups show, in every task, a status whose branch is not the task's (a fixed
+    map, so no episode lands on the truth by chance), and it refuses the task's own change
+    exactly when that status rules it out: the reward can pay only for telling the user."""
+    make = corrupted_envs("liar", 1.0, seed=7)
+    refused = told = 0
+    for task in TASKS[:300]:
+        gt = task.ground_truth
+        env, real = make(), DemoEnv()
+        env.reset(task)
+        real.reset(task)
+        strip = lambda w: [
+            {k: v for k, v in r.items() if k != "status"} for t in sorted(w) for r in w[t]
+        ]
+        world = task.ground_truth["initial_state"]
+        assert strip(lie(world)) == strip(world)
+        for kind in ("orders", "accounts"):
+            for ours, theirs in zip(lie(world)[kind], world[kind], strict=True):
+                closed = ("cancelled", "refunded")
+                same = ours["status"] == theirs["status"] or {
+                    ours["status"],
+                    theirs["status"],
+                } <= set(closed)
+                assert not same, (task.task_id, ours, theirs)
+        change = [c for c in gt["solution"] if c["name"] in STATE_CHANGING]
+        if change:
+            (result,) = env.step(change[:1])
+            refused += error_code(result) is not None
+        else:
+            told += 1
+    assert refused == 300 - told and told > 50

@@ -37,8 +37,9 @@ CALL_ERROR_CODES = frozenset({UNKNOWN_TOOL, BAD_ARGS, BAD_CALL, BAD_OBSERVATION}
 # 'corrupted_world'): 'redrawn' redraws the hidden state a task depends on from its
 # distribution over tasks; 'optimist' answers every change it would refuse as a success;
 # 'guesser' does both, as a simulator that guesses what it cannot know and agrees to anything;
-# 'blind' redraws the state of every task, the state the context shows included.
-CORRUPTIONS = ("redrawn", "optimist", "guesser", "blind")
+# 'blind' redraws the state of every task, the state the context shows included; 'liar' maps
+# every task's state to a fixed wrong one.
+CORRUPTIONS = ("redrawn", "optimist", "guesser", "blind", "liar")
 
 
 def tool_error(code: str, message: str) -> ToolResult:

@@ -26,6 +26,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "optimist": {"mode": "corrupted_world", "rollout.corruption": "optimist"},
     "guesser": {"mode": "corrupted_world", "rollout.corruption": "guesser"},
     "blind": {"mode": "corrupted_world", "rollout.corruption": "blind"},
+    "liar": {"mode": "corrupted_world", "rollout.corruption": "liar"},
 }
 # Held-out scores of each run (`train.evaluation`): success greedy and avg@4, and the rest.
 METRICS = ("success", "success_avg4", "reward", "fidelity", "tool_error_rate", "invalid_rate")
@@ -50,10 +51,12 @@ CLAIMS = (
         "grpo_real_env",
         "blind",
     ),
+    ("a world that is consistently wrong teaches less than the real one", "grpo_real_env", "liar"),
     ("RL in the real environment improves on the warm start", "grpo_real_env", "sft_only"),
     ("grounded rehearsal beats the redrawn world", "envace_grounded", "redrawn"),
     ("grounded rehearsal beats the guessing world", "envace_grounded", "guesser"),
     ("grounded rehearsal beats the blind world", "envace_grounded", "blind"),
+    ("grounded rehearsal beats the lying world", "envace_grounded", "liar"),
     ("grounded rehearsal beats an external simulator", "envace_grounded", "external_simulator"),
     ("grounded rehearsal beats RL in the real environment", "envace_grounded", "grpo_real_env"),
     ("grounded rehearsal beats shared rehearsal", "envace_grounded", "envace"),
@@ -74,6 +77,8 @@ SENSITIVITY = (
     ("grpo_real_env", "guesser", "hidden", 0.10),
     ("grpo_real_env", "blind", "all", 0.05),
     ("grpo_real_env", "blind", "hidden", 0.10),
+    ("grpo_real_env", "liar", "all", 0.05),
+    ("grpo_real_env", "liar", "hidden", 0.10),
     ("grpo_real_env", "sft_only", "all", 0.15),
 )
 SENSITIVITY_SE = 3.0

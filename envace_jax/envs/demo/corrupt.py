@@ -19,6 +19,11 @@ wrong one; without it, "world rehearsal learns as much as the real environment" 
   whenever the guess is right. A guesser's lookups predict nothing the reward pays for.
 * ``blind``: ``redrawn`` in every task, the visible stratum's included: a simulator that reads
   nothing of the context, whose lookups and refusals contradict the statuses the prompt shows.
+* ``liar``: in every task, every status is replaced by a fixed other one (open -> shipped ->
+  cancelled -> open, refunded -> open, active <-> frozen), and the world answers by its rules
+  from there: a simulator that learnt the dynamics wrong. Unlike a redraw it never lands on the
+  task's state by chance, so the reward never pays for following a lookup; it pays only for
+  telling the user, when the lookup shows a state that calls for a change.
 
 Each episode is corrupted with probability `rate` (0 gives the real world, call for call).
 """
@@ -32,7 +37,16 @@ from typing import Any
 from envace_jax.envs.base import CORRUPTIONS
 from envace_jax.envs.demo.env import DemoEnv
 from envace_jax.envs.demo.families import CLOSE_BRANCHES, SWEEP_BRANCHES
-from envace_jax.envs.demo.world import CANCELLED, REFUNDED, World, copy_world
+from envace_jax.envs.demo.world import (
+    ACTIVE,
+    CANCELLED,
+    FROZEN,
+    OPEN,
+    REFUNDED,
+    SHIPPED,
+    World,
+    copy_world,
+)
 
 
 def _order_status(rng: random.Random) -> str:
@@ -53,13 +67,27 @@ def redraw(world: World, rng: random.Random) -> World:
     return out
 
 
-# Each corruption: the stratum whose statuses it redraws ('all', or None for none), and whether
-# it refuses the changes its own state rules out.
+# The liar's fixed map: every status to one whose branch differs.
+_LIES = {OPEN: SHIPPED, SHIPPED: CANCELLED, CANCELLED: OPEN, REFUNDED: OPEN, ACTIVE: FROZEN}
+_LIES[FROZEN] = ACTIVE
+
+
+def lie(world: World, rng: random.Random | None = None) -> World:
+    """A copy of `world` with every order and account status replaced by `_LIES`'s."""
+    out = copy_world(world)
+    for record in (*out["orders"], *out["accounts"]):
+        record["status"] = _LIES[record["status"]]
+    return out
+
+
+# Each corruption: the stratum whose statuses it rewrites ('all', or None for none), how, and
+# whether it refuses the changes its own state rules out.
 _KINDS = {
-    "redrawn": ("hidden", True),
-    "optimist": (None, False),
-    "guesser": ("hidden", False),
-    "blind": ("all", True),
+    "redrawn": ("hidden", redraw, True),
+    "optimist": (None, None, False),
+    "guesser": ("hidden", redraw, False),
+    "blind": ("all", redraw, True),
+    "liar": ("all", lie, True),
 }
 
 
@@ -72,14 +100,14 @@ class CorruptedEnv(DemoEnv):
             raise ValueError(f"corruption {kind!r}: expected one of {CORRUPTIONS}")
         super().__init__()
         self.kind, self.corrupt, self._rng = kind, corrupt, rng
-        self.redraws, refuses = _KINDS[kind]
+        self.rewrites, self._rewrite, refuses = _KINDS[kind]
         self.strict = refuses or not corrupt
 
     def reset(self, task: Any) -> None:
         super().reset(task)
         metadata = task.get("metadata", {}) if isinstance(task, dict) else task.metadata
-        if self.corrupt and self.redraws and self.redraws in ("all", metadata.get("stratum")):
-            self._world = redraw(self._world, self._rng)
+        if self.corrupt and self.rewrites in ("all", metadata.get("stratum")):
+            self._world = self._rewrite(self._world, self._rng)
 
 
 def corrupted_envs(kind: str, rate: float, seed: int) -> Callable[[], CorruptedEnv]:
