@@ -82,6 +82,10 @@ def shared():
     config.rehearsal.rl_memory_fraction = 0.25
     config.rehearsal.budgets = (1, 2, 4)
     config.rehearsal.tasks = 128
+    # The committed run reads a rehearsed plan only when all 4 attempts made it: the demo
+    # policy's shared-view rehearsals invent the statuses and ids a lookup shows, and any plan
+    # fewer of them agree on cost success (validation, docs/memory.md).
+    config.rehearsal.min_support = 4
     return config
 
 

@@ -234,6 +234,9 @@ class RehearsalSection(Section):
     temperature: float = knob(1.0, _TEMPERATURE)  # Sampling temperature of rehearsal attempts.
     top_p: float = knob(1.0, _TOP_P)  # Nucleus sampling of rehearsal attempts (1.0 = off).
     max_memory_tokens: int = knob(160, integer(1))  # Tokens of a policy-written memory.
+    # Structured memory: the committed run reads a plan (and the refusals the rehearsals
+    # expected) only when at least this many attempts made that plan, else `plan: none`.
+    min_support: int = knob(1, integer(1))
     # Committed runs decoded at once: prefill attention grows with rows x prompt x buffer, and
     # memory-conditioned prompts are long (256 demo rows at once ask for ~25 GB).
     commit_rows: int = knob(64, integer(1))

@@ -396,3 +396,23 @@ def test_table_differences_are_paired_by_seed_and_gate_rows_stand_alone():
     # The claims table: the same paired difference, with its verdict (beyond 2 s.e.: supported).
     assert mean > 2 * se
     assert f"| exact memory - none | +0.05 | +{mean:.3f} ± {se:.3f}, supported |" in text
+
+
+def test_a_plan_fewer_attempts_agree_on_than_min_support_leaves_plan_none():
+    """Below `min_support` agreeing attempts the memory is `plan: none` with no avoid lines;
+    at or above it, the same memory as without the gate."""
+    plan = mem.Attempt(
+        (("get_order", {"order_id": "O1"}),), ('{"id": "O1"}',), "ok", Status.FINISHED
+    )
+    refused = mem.Attempt(
+        (("refund", {"order_id": "O1"}),),
+        ('{"error": {"code": "bad_status"}}',),
+        "ok",
+        Status.FINISHED,
+    )
+    attempts = [plan, plan, refused]
+    assessments = [mem.Assessment()] * 3
+    ungated = mem.render_memory(attempts, assessments)
+    assert "plan (2 of 3 rehearsals)" in ungated and "avoid:" in ungated
+    assert mem.render_memory(attempts, assessments, min_support=2) == ungated
+    assert mem.render_memory(attempts, assessments, min_support=3) == f"{HEADER}\nplan: none"

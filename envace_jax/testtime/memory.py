@@ -224,10 +224,15 @@ def render_memory(
     assessments: Sequence[Assessment],
     selection: Selection | None = None,
     extra_avoid: Sequence[str] = (),
+    min_support: int = 1,
 ) -> str:
     """The structured memory of `attempts` (see the module docstring for the format);
-    `extra_avoid`: further `call -> refusal` lines, after the attempts' own."""
+    `extra_avoid`: further `call -> refusal` lines, after the attempts' own. When fewer than
+    `min_support` attempts made the selected plan, the memory is ``plan: none`` and nothing
+    else: rehearsals that disagree carry nothing the committed run can trust."""
     selection = selection or select_plan(attempts, assessments)
+    if selection.index is not None and selection.support < min_support:
+        return f"{HEADER}\nplan: none"
     lines = [HEADER]
     if selection.index is None:
         lines.append("plan: none")

@@ -92,7 +92,10 @@ class TestTimeRehearsal:
     'policy'. sampling: how attempts are sampled (assessments and summaries are greedy).
     max_new_tokens: token budget of one attempt. max_memory_tokens: budget of a
     policy-written assessment or summary. commit_rows: committed runs decoded at once (memory
-    grows with rows x prompt length, and memory-conditioned prompts are long).
+    grows with rows x prompt length, and memory-conditioned prompts are long). min_support:
+    the structured memory the committed run reads is ``plan: none`` unless at least this many
+    attempts made its plan (`memory.render_memory`); sequential attempts still see every
+    earlier attempt.
     """
 
     __test__ = False  # not a pytest class, despite the name
@@ -110,6 +113,7 @@ class TestTimeRehearsal:
         max_new_tokens: int = 384,
         max_memory_tokens: int = 160,
         commit_rows: int = 64,
+        min_support: int = 1,
     ):
         if commit_rows < 1:
             raise ValueError(f"commit_rows must be >= 1, got {commit_rows}")
@@ -120,7 +124,7 @@ class TestTimeRehearsal:
         self.tokenizer = tokenizer
         self.memory, self.assessor, self.sampling = memory, assessor, sampling
         self.max_new_tokens, self.max_memory_tokens = max_new_tokens, max_memory_tokens
-        self.commit_rows = commit_rows
+        self.commit_rows, self.min_support = commit_rows, min_support
         pad = tokenizer.pad_token_id
         common = dict(max_turns=max_turns, max_message_tokens=max_message_tokens)
         self.rehearse_sampler = Sampler(
@@ -234,7 +238,10 @@ class TestTimeRehearsal:
                 raise ValueError(f"budget {budget} exceeds the {len(r.attempts)} attempts made")
         if self.memory == "structured":
             return [
-                mem.render_memory(r.attempts[:budget], r.assessments[:budget]) for r in rehearsals
+                mem.render_memory(
+                    r.attempts[:budget], r.assessments[:budget], min_support=self.min_support
+                )
+                for r in rehearsals
             ]
         requests = [
             mem.render_transcripts(r.attempts[:budget], r.assessments[:budget])

@@ -27,9 +27,11 @@ warm-start-policy row without rehearsal is printed for reference.
 
 Diagnostics (they read the task's reference solution, which no decision above does): `any
 attempt ok` is the fraction of tasks where one of the N attempts made the reference calls (what
-a perfect selector could put in the memory), `plan ok` the fraction whose memory's selected plan
-is the reference calls, `follows` the fraction of committed runs whose calls equal their
-memory's plan.
+a perfect selector could put in the memory), `plan ok` the fraction whose selected plan is the
+reference calls, `plan shown` the fraction whose memory carries it (`rehearsal.min_support`),
+`follows` the fraction of committed runs whose calls equal the selected plan, `refusal recall`
+and `response fidelity` what the attempts' calls meet when replayed in the real world
+(`replayed`).
 
 Outputs in the workdir: `rehearsal_eval.md` (the tables), `rehearsal_eval.json` (every number,
 per seed), `rehearsal_vs_budget.png` (success versus N, mean and std over seeds).
@@ -220,12 +222,13 @@ def evaluate_seed(
     return out
 
 
-def refusal_recall(rehearsals, tasks, budget: int, make_env) -> float:
-    """The share of the real refusals among the first `budget` attempts' calls that the
-    attempts' rehearsed responses predicted (an error where the world gives one); each
-    attempt's calls are replayed in a fresh real environment. A diagnostic: no memory or
-    decision reads it. NaN where the world refused none of the calls."""
-    real = predicted = 0
+def replayed(rehearsals, tasks, budget: int, make_env) -> tuple[float, float]:
+    """(refusal recall, response fidelity) of the first `budget` attempts: each attempt's calls
+    are replayed in a fresh real environment. Recall is the share of the real refusals whose
+    rehearsed response was an error too (NaN where the world refused none); fidelity the share
+    of rehearsed responses equal to the real ones. Diagnostics: no memory or decision reads
+    them."""
+    real = predicted = compared = equal = 0
     for r, task in zip(rehearsals, tasks, strict=True):
         for a in r.attempts[:budget]:
             env = make_env()
@@ -234,10 +237,14 @@ def refusal_recall(rehearsals, tasks, budget: int, make_env) -> float:
                 if rehearsed is None:
                     break
                 got = env.step([{"name": name, "arguments": args}])[0]
+                expected = parse_result_text(rehearsed)
+                compared += 1
+                equal += expected == got
                 if error_code(got) is not None:
                     real += 1
-                    predicted += error_code(parse_result_text(rehearsed)) is not None
-    return predicted / real if real else float("nan")
+                    predicted += error_code(expected) is not None
+    recall = predicted / real if real else float("nan")
+    return recall, (equal / compared if compared else float("nan"))
 
 
 def _rehearser_rows(ttr, name, params, tasks, budgets, key, make_env, commit) -> dict:
@@ -255,7 +262,7 @@ def _rehearser_rows(ttr, name, params, tasks, budgets, key, make_env, commit) ->
             )
             plans += [_memory_plan(r, b) for r in rehearsals]
             any_ok += [_any_reference_plan(r, b, t) for r, t in zip(rehearsals, tasks, strict=True)]
-            recall.append(refusal_recall(rehearsals, tasks, b, make_env))
+            recall.append(replayed(rehearsals, tasks, b, make_env))
             rows += list(tasks)
             where.append((mode, b))
         print(f"  [{name} rehearser, {mode}] {n} attempts in {time.time() - t0:.0f}s", flush=True)
@@ -268,7 +275,9 @@ def _rehearser_rows(ttr, name, params, tasks, budgets, key, make_env, commit) ->
         cut = slice(j * T, (j + 1) * T)
         part = Committed(committed.results[cut], committed.prompts[cut])
         stats = _row_stats(part, tasks, plans[cut], any_ok[cut])
-        stats["refusal_recall"] = recall[j]
+        stats["refusal_recall"], stats["response_fidelity"] = recall[j]
+        shown = memories[j * T : (j + 1) * T]
+        stats["plan_shown"] = float(np.mean([not m.endswith("plan: none") for m in shown]))
         out.setdefault(f"{mode}, {name} rehearser", {})[b] = stats
     return out
 
@@ -311,14 +320,16 @@ def table_rows(agg: dict, table_budget: int) -> list[tuple[str, int]]:
 def tables(agg: dict, budgets: Sequence[int], table_budget: int, n_seeds: int, n_tasks: int) -> str:
     header = ["test-time rehearsal", "N", "success", "per seed", "minus none (± s.e.)"]
     header += [f"success {s}" for s in STRATA]
-    header += ["any attempt ok", "plan ok", "follows", "refusal recall"]
+    header += ["any attempt ok", "plan ok", "plan shown", "follows", "refusal recall"]
+    header += ["response fidelity"]
     rows = []
     for row, b in table_rows(agg, table_budget):
         m = agg[row][b]
         diff = "-" if row == "none" else "{:+.3f} ± {:.3f}".format(*paired(m, agg["none"][0]))
         cells = [row, b, _cell(m["success"]), " ".join(f"{x:.3f}" for x in m["success"][2]), diff]
         cells += [_cell(m[k]) if k in m else "-" for k in (f"success {s}" for s in STRATA)]
-        diagnostics = ("any_ok", "plan_ok", "follows", "refusal_recall")
+        diagnostics = ("any_ok", "plan_ok", "plan_shown", "follows", "refusal_recall")
+        diagnostics += ("response_fidelity",)
         cells += [_cell(m[k]) if k in m else "-" for k in diagnostics]
         rows.append(cells)
     text = table(rows, header)
@@ -448,6 +459,7 @@ def run(config: JobConfig, workdir: str) -> dict:
         max_new_tokens=config.eval.max_new_tokens,
         max_memory_tokens=r.max_memory_tokens,
         commit_rows=r.commit_rows,
+        min_support=r.min_support,
     )
     budgets = tuple(sorted(set(r.budgets)))
     env_domain = domain(config.data.env, config.data)
