@@ -223,11 +223,8 @@ def evaluate_seed(
 
 
 def replayed(rehearsals, tasks, budget: int, make_env) -> tuple[float, float]:
-    """(refusal recall, response fidelity) of the first `budget` attempts: each attempt's calls
-    are replayed in a fresh real environment. Recall is the share of the real refusals whose
-    rehearsed response was an error too (NaN where the world refused none); fidelity the share
-    of rehearsed responses equal to the real ones. Diagnostics: no memory or decision reads
-    them."""
+    """Diagnostics of the first `budget` attempts, replayed in fresh real environments: the
+    share of real refusals rehearsed as errors (NaN: none), and of responses rehearsed right."""
     real = predicted = compared = equal = 0
     for r, task in zip(rehearsals, tasks, strict=True):
         for a in r.attempts[:budget]:
