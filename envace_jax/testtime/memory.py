@@ -58,6 +58,7 @@ HEADER = "Rehearsal memory (from private rehearsals, not real):"
 SUMMARY_HEADER = "Rehearsal memory (written from private rehearsals, not real):"
 HISTORY_HEADER = "Earlier private rehearsals (expected results, not real):"
 MAX_NOTES = 3
+NO_PLAN = "plan: none"  # the memory's line when no attempt's plan is shown
 MAX_RESPONSE_CHARS = 300  # a rehearsed response longer than this is cut in transcripts
 
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?!\w|\.\d)")  # integers, not parts of ids or decimals
@@ -232,10 +233,10 @@ def render_memory(
     else: rehearsals that disagree carry nothing the committed run can trust."""
     selection = selection or select_plan(attempts, assessments)
     if selection.index is not None and selection.support < min_support:
-        return f"{HEADER}\nplan: none"
+        return f"{HEADER}\n{NO_PLAN}"
     lines = [HEADER]
     if selection.index is None:
-        lines.append("plan: none")
+        lines.append(NO_PLAN)
     else:
         chosen = attempts[selection.index]
         head = f"plan ({selection.support} of {selection.total} rehearsals)"

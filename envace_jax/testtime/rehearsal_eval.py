@@ -274,7 +274,7 @@ def _rehearser_rows(ttr, name, params, tasks, budgets, key, make_env, commit) ->
         stats = _row_stats(part, tasks, plans[cut], any_ok[cut])
         stats["refusal_recall"], stats["response_fidelity"] = recall[j]
         shown = memories[j * T : (j + 1) * T]
-        stats["plan_shown"] = float(np.mean([not m.endswith("plan: none") for m in shown]))
+        stats["plan_shown"] = float(np.mean([not m.endswith(mem.NO_PLAN) for m in shown]))
         out.setdefault(f"{mode}, {name} rehearser", {})[b] = stats
     return out
 

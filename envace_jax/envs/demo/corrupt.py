@@ -68,12 +68,19 @@ def redraw(world: World, rng: random.Random) -> World:
 
 
 # The liar's fixed map: every status to one whose branch differs.
-_LIES = {OPEN: SHIPPED, SHIPPED: CANCELLED, CANCELLED: OPEN, REFUNDED: OPEN, ACTIVE: FROZEN}
-_LIES[FROZEN] = ACTIVE
+_LIES = {
+    OPEN: SHIPPED,
+    SHIPPED: CANCELLED,
+    CANCELLED: OPEN,
+    REFUNDED: OPEN,
+    ACTIVE: FROZEN,
+    FROZEN: ACTIVE,
+}
 
 
 def lie(world: World, rng: random.Random | None = None) -> World:
-    """A copy of `world` with every order and account status replaced by `_LIES`'s."""
+    """A copy of `world` with every order and account status replaced by `_LIES`'s (`rng`
+    unused: every rewrite of `_KINDS` takes one)."""
     out = copy_world(world)
     for record in (*out["orders"], *out["accounts"]):
         record["status"] = _LIES[record["status"]]
