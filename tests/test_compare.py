@@ -135,6 +135,7 @@ def test_stability_holds_against_hand_made_curves():
     assert stability.holds(curve(0.5, 0.90, 0.87, 0.85)) == (0.85, 0.90, False)
     text = stability.report({("grpo_real_env", 1): curve(0.5, 0.9, 0.85)}, 8, 4)
     assert "| grpo_real_env | 1 | 0: 0.500, 4: 0.900, 8: 0.850 |" in text and "| no |" in text
+    assert "0 of 1 runs hold" in text and "* grpo_real_env: 0: 0.500, 4: 0.900, 8: 0.850" in text
 
 
 @pytest.mark.slow

@@ -68,22 +68,32 @@ def report(found, steps: int, every: int) -> str:
         f"tasks every {every} steps. A run holds when its last point is within "
         f"{TOLERANCE * 100:.0f} points of its best, or above it.",
         "",
-        "| arm | seed | success by RL step | hidden | visible | last - best | holds |",
-        "|---|---|---|---|---|---|---|",
+        "| arm | seed | success by RL step | hidden | visible | avg@4 at the last step "
+        "| last - best | holds |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    held, by_step = [], {}
     for (mode, seed), curve in found.items():
         if not any(step > 0 for step, _ in curve):
             continue
         last, best, ok = holds(curve)
+        held.append(ok)
+        for step, m in curve:
+            by_step.setdefault(mode, {}).setdefault(step, []).append(m[SCORE])
         pts = ", ".join(f"{step}: {m[SCORE]:.3f}" for step, m in curve)
         strata = [
             ", ".join(f"{m.get(f'stratum_success/{s}', np.nan):.2f}" for _, m in curve)
             for s in ("hidden", "visible")
         ]
+        avg4 = curve[-1][1].get("success_avg4", np.nan)
         lines.append(
-            f"| {mode} | {seed} | {pts} | {strata[0]} | {strata[1]} | {last - best:+.3f} | "
-            f"{'yes' if ok else 'no'} |"
+            f"| {mode} | {seed} | {pts} | {strata[0]} | {strata[1]} | {avg4:.3f} | "
+            f"{last - best:+.3f} | {'yes' if ok else 'no'} |"
         )
+    lines += ["", f"{sum(held)} of {len(held)} runs hold. Mean over seeds by RL step:"]
+    for mode, steps in by_step.items():
+        means = ", ".join(f"{step}: {np.mean(v):.3f}" for step, v in sorted(steps.items()))
+        lines.append(f"* {mode}: {means}")
     return "\n".join(lines) + "\n"
 
 
