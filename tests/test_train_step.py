@@ -5,6 +5,8 @@ optimizer, and equalities that must hold by construction (accumulated micro-batc
 big batch; recomputed old log-probs equal the sampling policy's own log-probs).
 """
 
+import dataclasses
+
 import jax
 import ml_collections
 import numpy as np
@@ -317,3 +319,23 @@ def test_sft_context_weight_must_be_non_negative():
     with pytest.raises(ValueError, match=r"config\.sft\.context_weight"):
         SFTConfig.from_config({"context_weight": -0.5})
     assert SFTConfig.from_config({"context_weight": 0.3}).context_weight == 0.3
+
+
+def test_demo_rl_schedule_keeps_its_warmup_and_anneals_after_it():
+    """The demo's RL steps are its warmup, at the rates a constant schedule gives them (so the
+    annealing changes no 4-step result); later updates anneal to a tenth of the peak."""
+    from envace_jax.configuration import load
+    from tests.conftest import demo_config
+
+    optim = load(demo_config()).optim
+    annealed = make_schedule(optim)
+    constant = make_schedule(dataclasses.replace(optim, schedule="constant"))
+    warmup = optim.warmup_steps
+    assert warmup == load(demo_config()).schedule.rl_steps
+    for k in range(warmup + 1):
+        assert float(annealed(k)) == float(constant(k))
+    end = optim.learning_rate * optim.end_lr_ratio
+    for k in (warmup + optim.decay_steps, warmup + 20):
+        assert float(annealed(k)) == pytest.approx(end)
+    rates = [float(annealed(k)) for k in range(warmup, warmup + optim.decay_steps + 1)]
+    assert rates == sorted(rates, reverse=True)
