@@ -327,11 +327,12 @@ def test_demo_rl_schedule_keeps_its_warmup_and_anneals_after_it():
     from envace_jax.configuration import load
     from tests.conftest import demo_config
 
-    optim = load(demo_config()).optim
+    config = load(demo_config())
+    optim = config.optim
     annealed = make_schedule(optim)
     constant = make_schedule(dataclasses.replace(optim, schedule="constant"))
     warmup = optim.warmup_steps
-    assert warmup == load(demo_config()).schedule.rl_steps
+    assert warmup == config.schedule.rl_steps
     for k in range(warmup + 1):
         assert float(annealed(k)) == float(constant(k))
     end = optim.learning_rate * optim.end_lr_ratio

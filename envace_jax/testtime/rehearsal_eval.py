@@ -274,7 +274,8 @@ def _rehearser_rows(ttr, name, params, tasks, budgets, key, make_env, commit) ->
         stats = _row_stats(part, tasks, plans[cut], any_ok[cut])
         stats["refusal_recall"], stats["response_fidelity"] = recall[j]
         shown = memories[j * T : (j + 1) * T]
-        stats["plan_shown"] = float(np.mean([not m.endswith(mem.NO_PLAN) for m in shown]))
+        # a memory without a plan may still carry avoid lines after its `plan: none`
+        stats["plan_shown"] = float(np.mean([mem.NO_PLAN not in m.split("\n") for m in shown]))
         out.setdefault(f"{mode}, {name} rehearser", {})[b] = stats
     return out
 
