@@ -217,6 +217,10 @@ class RehearsalSection(Section):
 
     # Warm-start demos whose prompt carries a memory (testtime.demonstrations).
     sft_memory_fraction: float = knob(0.25, number(0.0, 1.0))
+    # Of those, the share whose demonstration's last call names another id that a response
+    # listed, with a plan that names it too: rows where the plan is the only source of the
+    # target's id (testtime.demonstrations).
+    sft_memory_swaps: float = knob(0.0, number(0.0, 1.0))
     # RL rollout tasks whose prompt carries a memory of the same kind, so that RL does not
     # unlearn reading one.
     rl_memory_fraction: float = knob(0.0, number(0.0, 1.0))

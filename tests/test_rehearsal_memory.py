@@ -416,3 +416,37 @@ def test_a_plan_fewer_attempts_agree_on_than_min_support_leaves_plan_none():
     assert "plan (2 of 3 rehearsals)" in ungated and "avoid:" in ungated
     assert mem.render_memory(attempts, assessments, min_support=2) == ungated
     assert mem.render_memory(attempts, assessments, min_support=3) == f"{HEADER}\nplan: none"
+
+
+def test_swapped_rows_take_the_targets_id_from_the_plan_alone(tok, tasks):
+    """A swapped memory row ends at a call naming another id that the lookup listed (checked
+    against the real environment's listing), its plan names that same call, and its other
+    targets are the demonstration's; tasks whose lookups list no other id keep their row."""
+    some = tasks[:80]
+    plain = demos.memory_demonstrations(some, tok, DemoEnv, fraction=1.0, seed=2)
+    rows = demos.memory_demonstrations(some, tok, DemoEnv, fraction=1.0, seed=2, swaps=1.0)
+    swapped = 0
+    for i, enc in rows.items():
+        reference = [(c["name"], c["arguments"]) for c in some[i].ground_truth["solution"]]
+        segments = _segment_texts(tok, enc)
+        if np.array_equal(enc.ids, plain[i].ids):
+            continue
+        swapped += 1
+        acts = [
+            json.loads(t[t.index("{") : t.rindex("}") + 1]) for r, t in segments if r == Role.ACT
+        ]
+        name, args = acts[-1]["name"], acts[-1]["arguments"]
+        assert name == reference[-1][0] and args != reference[-1][1]
+        # the real environment's listing after the lookups holds the swapped id
+        env = DemoEnv()
+        env.reset(some[i])
+        listing = [env.step([{"name": n, "arguments": a}])[0] for n, a in reference[:-1]]
+        assert any(v in str(r) for r in listing for v in args.values())
+        context = tok.decode(enc.ids[: np.flatnonzero(enc.roles == Role.ACT)[0]].tolist())
+        memory = context[context.index(HEADER) :].split("<|im_end|>")[0]
+        plan = re.findall(r"^\d+\. (\w+) (\{.*\})$", memory, re.M)
+        assert plan[-1] == (name, json.dumps(args))
+        k = 2 * (len(reference) - 1)  # each lookup: its call (ACT), its response (REHEARSE)
+        assert segments[:k] == _segment_texts(tok, plain[i])[:k]
+        assert [r for r, _ in segments[k:]] == [Role.ACT]  # cut after the swapped call
+    assert 3 <= swapped <= 40, swapped

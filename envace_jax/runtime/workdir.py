@@ -46,6 +46,7 @@ ARCH_KEYS = ("tokenizer", "model")  # what makes a run's params load into this c
 _DEMOS = ("env", "train_tasks", "failure_demos", "unfinished_demos", "default_action_demos")
 _DEMOS += ("train_files", "skip_invalid", "max_prompt_tokens")  # which tasks, from files
 WARM_START_KEYS = (*ARCH_KEYS, "sft", "sft_optim", "rehearsal.sft_memory_fraction")
+WARM_START_KEYS += ("rehearsal.sft_memory_swaps",)
 WARM_START_KEYS += ("schedule.sft_steps", "schedule.sft_batch_size", "data.simulator_demos")
 WARM_START_KEYS += tuple(f"data.{k}" for k in _DEMOS)
 # What makes two evaluations of the same params the same (fidelity is measured in the run's

@@ -16,6 +16,10 @@ three variants, drawn per task:
   still the reference, so the policy learns to check a plan against the task;
 * empty (the rest): ``plan: none``, what rehearsals that produced no usable attempt leave.
 
+A share of the rows can instead show a swapped demonstration (`swapped_demonstration`): its
+last call names another id that a lookup listed, and so does the plan. In every other row the
+plan's ids are the lookup's, so only these teach that the plan decides which id to use.
+
 `exact_memory` is the oracle memory of the test-time protocol's gate (the reference plan and
 every refused alternative). `MemoryTasks` gives RL rollouts the same memories, so RL does not
 unlearn reading them. Every memory is built from the task's reference solution before training,
@@ -185,7 +189,12 @@ def warm_start_memory(
         if wrong is not None:
             selection = Selection(0, rng.randint(1, total), total)
             return render_memory([wrong], [Assessment()], selection, avoid)
-    # the calls the demonstration makes, so that its target follows the plan
+    return _followed_memory(rng, calls, alternatives, total)
+
+
+def _followed_memory(rng: random.Random, calls, alternatives: Sequence[Attempt], total: int) -> str:
+    """A memory whose plan is `calls` (the demonstration's, so that its target follows the
+    plan) with high support, and for most of them refused `alternatives` as avoid lines."""
     attempt = Attempt(tuple(calls), (None,) * len(calls), None, Status.FINISHED)
     options = [a for a in alternatives if _signature(a.calls[-1:])[0] not in _signature(calls)]
     avoid = []
@@ -194,6 +203,48 @@ def warm_start_memory(
         avoid = _avoid_lines(picked)
     selection = Selection(0, rng.randint(math.ceil(total / 2), total), total)
     return render_memory([attempt], [Assessment()], selection, avoid)
+
+
+def swapped_demonstration(
+    rng: random.Random, task: Any, messages: Sequence[Mapping], make_env: Callable[[], Any]
+) -> tuple[list[dict], str] | None:
+    """The demonstration `messages` cut after its last call, that call's id argument replaced
+    by another id of the same kind that an earlier response listed (another of the customer's
+    orders), and a memory whose plan names the swapped call: a row whose target takes its id
+    from the plan alone, since the lookup in its context points elsewhere. None when no
+    earlier response lists another such id."""
+    calls, responses = conversation_plan(messages)
+    if not calls or not isinstance(calls[-1][1], Mapping):
+        return None
+    name, args = calls[-1]
+    listed = sorted({t for r in responses[: len(calls) - 1] for t in _ID.findall(r)})
+    options = [
+        (key, other)
+        for key, value in sorted(args.items())
+        if value in listed  # an id the lookups gave, not one the user named
+        for other in listed
+        if other != value and _shape(other) == _shape(value)
+    ]
+    if not options:
+        return None
+    key, other = rng.choice(options)
+    swapped = [*calls[:-1], (name, {**args, key: other})]
+    last = max(
+        i for i, m in enumerate(messages) if m.get("role") == "assistant" and m.get("tool_calls")
+    )
+    cut = [dict(m) for m in messages[:last]]
+    cut.append(
+        {
+            **messages[last],
+            "tool_calls": [
+                {"type": "function", "function": {"name": name, "arguments": swapped[-1][1]}}
+            ],
+        }
+    )
+    memory = _followed_memory(
+        rng, swapped, refused_alternatives(task, make_env), rng.choice(BUDGETS)
+    )
+    return cut, memory
 
 
 def _signature(calls) -> list[tuple[str, str]]:
@@ -237,12 +288,14 @@ def memory_demonstrations(
     fraction: float,
     seed: int,
     shown: Sequence[Sequence[Mapping]] | None = None,
+    swaps: float = 0.0,
 ) -> dict[int, Any]:
     """Memory-conditioned warm-start sequences for a `fraction` of `tasks` (drawn as in
     `MemoryTasks`): task index -> `EncodedConversation` of the task's demonstration (`shown[i]`,
     the conversation its plain demonstration shows; default: the reference conversation) with
     a `warm_start_memory` of that demonstration's calls in its prompt (ACT and REHEARSE targets
-    as in the plain demonstrations)."""
+    as in the plain demonstrations); for a share `swaps` of them, the `swapped_demonstration`
+    where the task has one."""
     from envace_jax.text.trajectory import encode_conversation
 
     chosen = MemoryTasks(tasks, make_env, fraction=fraction, seed=seed)
@@ -251,8 +304,14 @@ def memory_demonstrations(
         if not chosen.carries_memory(i):
             continue
         messages = list(shown[i]) if shown is not None else list(task.reference_messages)
-        plan = conversation_plan(messages)
-        memory = warm_start_memory(random.Random(f"{seed}/{i}"), task, make_env, plan)
+        rng = random.Random(f"{seed}/{i}")
+        swap = random.Random(f"{seed}/{i}/swap").random() < swaps
+        row = swap and swapped_demonstration(rng, task, messages, make_env)
+        if row:
+            messages, memory = row
+        else:
+            plan = conversation_plan(messages)
+            memory = warm_start_memory(rng, task, make_env, plan)
         n = len(task.messages)
         messages = insert_memory(messages[:n], memory) + [dict(m) for m in messages[n:]]
         out[i] = encode_conversation(tokenizer, messages, task.template_tools, rehearse=True)

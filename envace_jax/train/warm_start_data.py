@@ -48,7 +48,13 @@ def demonstrations(config, domain: Domain, tasks: Sequence, tokenizer) -> list:
         # each memory row shows its task's demonstrator, with a memory of its calls
         shown = domain.demonstration_messages and domain.demonstration_messages(tasks, *drawn)
         with_memory = memory_demonstrations(
-            tasks, tokenizer, domain.make_env, fraction=fraction, seed=config.seed, shown=shown
+            tasks,
+            tokenizer,
+            domain.make_env,
+            fraction=fraction,
+            seed=config.seed,
+            shown=shown,
+            swaps=config.rehearsal.sft_memory_swaps,
         )
         demos += [with_memory[i] for i in sorted(with_memory)]
     return demos
