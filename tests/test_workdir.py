@@ -158,3 +158,20 @@ def test_a_sigint_that_surfaces_as_another_error_is_still_an_interrupt(tmp_path)
         "error: interrupted (SIGINT); run the same command again to resume"
     )
     assert "ImportError: initialization failed" in (tmp_path / "w" / "job.INFO").read_text()
+
+
+def test_a_config_saved_before_a_knob_existed_matches_at_its_default():
+    """A warm start saved before `rehearsal.sft_memory_swaps` existed lacks the key; it was made
+    without swaps, so it matches a config at the default and differs from one that swaps."""
+    from envace_jax.runtime.workdir import WARM_START_KEYS, config_differences, config_json
+
+    ours = config_json(load(base_config()))
+    saved = {k: dict(v) if isinstance(v, dict) else v for k, v in ours.items()}
+    del saved["rehearsal"]["sft_memory_swaps"]
+    assert config_differences(ours, saved, WARM_START_KEYS) == []
+    swapping = base_config()
+    swapping.rehearsal.sft_memory_swaps = 0.5
+    differ = config_differences(config_json(load(swapping)), saved, WARM_START_KEYS)
+    assert differ == ["rehearsal.sft_memory_swaps=0.0"]
+    saved["rehearsal"]["sft_memory_fraction"] = 0.9  # a key it has still counts
+    assert "rehearsal.sft_memory_fraction=0.9" in config_differences(ours, saved, WARM_START_KEYS)

@@ -73,13 +73,16 @@ def config_json(config: JobConfig) -> dict[str, Any]:
 
 def config_differences(ours: dict, theirs: dict, keys: Sequence[str]) -> list[str]:
     """`key=their value` for every dotted key in `keys` whose value differs between two saved
-    configs; a section that differs is named entry by entry (`model.hidden_size=64`)."""
+    configs; a section that differs is named entry by entry (`model.hidden_size=64`). A key
+    their config lacks is at its default: it was saved before the knob existed, and a new
+    knob's default is the behaviour from before it."""
 
     def get(d: dict, key: str):
         for part in key.split("."):
             d = d.get(part) if isinstance(d, dict) else None
         return d
 
+    theirs = _with_defaults(theirs, config_json(JobConfig()))
     differ = []
     for key in keys:
         a, b = get(ours, key), get(theirs, key)
@@ -88,6 +91,15 @@ def config_differences(ours: dict, theirs: dict, keys: Sequence[str]) -> list[st
         elif a != b:
             differ.append(f"{key}={b!r}")
     return differ
+
+
+def _with_defaults(saved: dict, defaults: dict) -> dict:
+    """`saved`, with each key it lacks (at any depth) taken from `defaults`."""
+    out = dict(defaults)
+    for k, v in saved.items():
+        nested = isinstance(v, dict) and isinstance(defaults.get(k), dict)
+        out[k] = _with_defaults(v, defaults[k]) if nested else v
+    return out
 
 
 # ------------------------------------------------------------------------ restore targets
