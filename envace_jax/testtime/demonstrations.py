@@ -228,22 +228,11 @@ def swapped_demonstration(
     if not options:
         return None
     key, other = rng.choice(options)
-    swapped = [*calls[:-1], (name, {**args, key: other})]
-    last = max(
-        i for i, m in enumerate(messages) if m.get("role") == "assistant" and m.get("tool_calls")
-    )
-    cut = [dict(m) for m in messages[:last]]
-    cut.append(
-        {
-            **messages[last],
-            "tool_calls": [
-                {"type": "function", "function": {"name": name, "arguments": swapped[-1][1]}}
-            ],
-        }
-    )
-    memory = _followed_memory(
-        rng, swapped, refused_alternatives(task, make_env), rng.choice(BUDGETS)
-    )
+    call = {"type": "function", "function": {"name": name, "arguments": {**args, key: other}}}
+    last = max(i for i, m in enumerate(messages) if m.get("tool_calls"))
+    cut = [*(dict(m) for m in messages[:last]), {**messages[last], "tool_calls": [call]}]
+    plan = [*calls[:-1], (name, call["function"]["arguments"])]
+    memory = _followed_memory(rng, plan, refused_alternatives(task, make_env), rng.choice(BUDGETS))
     return cut, memory
 
 
