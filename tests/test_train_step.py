@@ -178,11 +178,18 @@ def test_optimizer_matches_torch_adamw_with_clipping():
     assert float(sched(2)) == pytest.approx(1e-2) and float(sched(7)) == pytest.approx(1e-3)
 
 
+def test_step_schedule_drops_to_the_end_rate_right_after_the_warmup():
+    """The warmup's last update is at the peak; every later one at the end rate."""
+    cfg = OptimConfig(learning_rate=3e-4, warmup_steps=4, schedule="step", end_lr_ratio=0.1)
+    rates = [float(make_schedule(cfg)(k)) for k in range(8)]
+    np.testing.assert_allclose(rates, [7.5e-5, 1.5e-4, 2.25e-4, 3e-4] + [3e-5] * 4, rtol=1e-6)
+
+
 def test_optim_config_errors_name_the_key():
     with pytest.raises(ValueError, match=r"config\.optim\.lr_peak"):
         OptimConfig.from_config({"lr_peak": 1.0})
     with pytest.raises(ValueError, match=r"config\.optim\.schedule"):
-        OptimConfig.from_config({"schedule": "step"})
+        OptimConfig.from_config({"schedule": "exponential"})
     with pytest.raises(ValueError, match="decay_steps"):
         OptimConfig.from_config({"schedule": "cosine"})
     assert OptimConfig.from_config({"learning_rate": 2e-6}).learning_rate == 2e-6

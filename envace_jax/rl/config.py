@@ -22,7 +22,7 @@ ADVANTAGE_BASELINES = ("role", "group")
 SINGLETON_BASELINES = ("zero", "self")
 LOSS_AGGREGATIONS = ("message-mean", "token-mean", "seq-mean-token-mean")
 OLD_LOGPROB_SOURCES = ("recompute", "sampler")
-SCHEDULES = ("constant", "cosine", "linear")
+SCHEDULES = ("constant", "cosine", "linear", "step")
 DECAY_MASKS = ("all", "matrices")
 
 
@@ -111,13 +111,14 @@ class OptimConfig(Section):
 
     config_key: ClassVar[str] = "optim"
     learning_rate: float = knob(1e-6, number(0))  # Peak learning rate.
-    # 'constant', 'cosine' or 'linear' decay after warmup.
+    # After the warmup: 'constant' at the peak, 'cosine' or 'linear' decay to the end rate, or
+    # 'step' to the end rate from the first update after the warmup on.
     schedule: str = knob("constant", one_of(*SCHEDULES))
     # Linear warmup over this many updates, from peak / warmup_steps up to the peak.
     warmup_steps: int = knob(0, integer(0))
     # Updates from the end of warmup to the end of decay (cosine/linear).
     decay_steps: int = knob(0, integer(0))
-    end_lr_ratio: float = knob(0.0, number(0))  # Final lr / peak lr (cosine/linear).
+    end_lr_ratio: float = knob(0.0, number(0))  # Final lr / peak lr (cosine/linear/step).
     b1: float = knob(0.9, number(0, 1, hi_open=True))  # Adam beta1.
     b2: float = knob(0.999, number(0, 1, hi_open=True))  # Adam beta2.
     eps: float = knob(1e-8, number(0))  # Adam epsilon (torch default).
@@ -128,7 +129,7 @@ class OptimConfig(Section):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.schedule != "constant" and self.decay_steps < 1:
+        if self.schedule in ("cosine", "linear") and self.decay_steps < 1:
             raise ValueError(
                 f"decay_steps = {self.decay_steps}: schedule {self.schedule!r} needs decay_steps"
                 " >= 1"

@@ -19,6 +19,8 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
     peak, end = cfg.learning_rate, cfg.learning_rate * cfg.end_lr_ratio
     if cfg.schedule == "constant":
         after = optax.constant_schedule(peak)
+    elif cfg.schedule == "step":
+        after = optax.constant_schedule(end)
     elif cfg.schedule == "cosine":
         after = optax.cosine_decay_schedule(peak, cfg.decay_steps, alpha=cfg.end_lr_ratio)
     else:
