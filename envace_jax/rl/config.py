@@ -23,6 +23,7 @@ SINGLETON_BASELINES = ("zero", "self")
 LOSS_AGGREGATIONS = ("message-mean", "token-mean", "seq-mean-token-mean")
 OLD_LOGPROB_SOURCES = ("recompute", "sampler")
 SCHEDULES = ("constant", "cosine", "linear", "step")
+DECAY_SCHEDULES = ("cosine", "linear")  # the schedules that need decay_steps
 DECAY_MASKS = ("all", "matrices")
 
 
@@ -129,7 +130,7 @@ class OptimConfig(Section):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.schedule in ("cosine", "linear") and self.decay_steps < 1:
+        if self.schedule in DECAY_SCHEDULES and self.decay_steps < 1:
             raise ValueError(
                 f"decay_steps = {self.decay_steps}: schedule {self.schedule!r} needs decay_steps"
                 " >= 1"
